@@ -1,0 +1,196 @@
+"""Advantage estimators: how a reward becomes the push a sample gets.
+
+Every policy-gradient update multiplies the log-probability of a sampled sequence by an
+*advantage*: how much better that sample was than expected. This file holds every
+estimator the reports talk about, as small pure functions on tensors.
+
+Layout. Rewards arrive as a 1-D tensor of N = B*K sequence rewards: B prompts, K samples
+per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
+
+    compute(rewards, k, norm)        the one entry point the trainer, plots and tests call
+        norm="group"   GRPO            A = (r - mean_g) / std_g
+        norm="drgrpo"  Dr. GRPO        A = r - mean_g
+        norm="global"  REINFORCE++     A = (r - mean_N) / std_N
+        norm="batch"   REINFORCE++-baseline, TRL scale_rewards="batch"
+                                       A = (r - mean_g) / std_N
+        norm="rloo"    leave-one-out   A = r_i - mean_{j != i in g} r_j
+        norm="none"    plain REINFORCE A = r
+    gae(rewards, values, mask, gamma, lam)   token-level advantages for PPO
+    whiten(x, mask)                          masked z-scoring (PPO's advantage whitening)
+    frac_zero_std(rewards, k)                share of groups that carry no signal
+    frac_pm1(advantages)                     share of advantages that are exactly +-1
+
+The lesson of report 001 (../shared/seeds/001_*.txt). With K=2 and group normalisation,
+a group [r1, r2] has mean (r1+r2)/2 and population std |r1-r2|/2, so
+
+    A_1 = (r1 - r2) / |r1 - r2| = +-1        whatever the gap between r1 and r2.
+
+A valid-but-second-best answer (0.2) next to the best one (1.0) is pushed away exactly as
+hard as garbage would be. `python plots.py advantages` draws it; tests/test_advantages.py
+pins it down.
+
+Conventions (chosen, not laws; the tests show the alternatives):
+- std is the population std by default (`unbiased=False`), so K=2 gives exactly +-1 as
+  in the report. TRL, verl and OpenRLHF use Bessel's correction (torch.std's default),
+  which gives +-1/sqrt(2) = +-0.707 for K=2; pass `unbiased=True` to match them.
+- We divide by max(std, eps), not std + eps. eps only guards the zero-variance group
+  (advantage 0, never NaN); it never shrinks a real one. With TRL's std + 1e-4, a K=2
+  group whose gap is 1e-3 gets +-0.83 instead of +-1.
+- Computation runs in float64 and is cast back, so "exactly +-1" is exact in float32.
+"""
+import torch
+
+NORMS = ("group", "drgrpo", "global", "batch", "rloo", "none")
+GROUP_NORMS = ("group", "drgrpo", "batch", "rloo")  # these need K >= 2 samples per prompt
+
+
+# ---- checks and small helpers ----
+
+def _check(rewards: torch.Tensor, k: int, norm: str) -> None:
+    """Raise ValueError, saying what is wrong, for input no estimator can use."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; expected one of {', '.join(NORMS)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N = B*K), got shape {tuple(rewards.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if norm in GROUP_NORMS and k < 2:
+        raise ValueError(f"norm {norm!r} compares samples within a group and needs k >= 2, got k={k}")
+    if rewards.numel() == 0 or rewards.numel() % k != 0:
+        raise ValueError(f"N={rewards.numel()} rewards cannot be split into groups of k={k}")
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        raise ValueError(f"non-finite reward at positions {bad[:10]}; refusing to average it in")
+
+
+def _std(x: torch.Tensor, dim, unbiased: bool) -> torch.Tensor:
+    """Population std (divide by n) or Bessel-corrected std (divide by n - 1)."""
+    return x.std(dim=dim, correction=1 if unbiased else 0, keepdim=True)
+
+
+def _safe_div(x: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
+    # x / max(std, eps): a zero-variance group has x == 0 exactly, so it gets 0, not NaN.
+    return x / std.clamp_min(eps)
+
+
+# ---- the estimators ----
+
+def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
+            unbiased: bool = False, clip: float | None = None) -> torch.Tensor:
+    """Sequence-level advantages for N = B*K rewards grouped K per prompt.
+
+    rewards: (N,) float, prompt i owns rewards[i*K:(i+1)*K].
+    norm: one of NORMS (see the module docstring for each formula).
+    eps: the floor of every std we divide by (zero-variance groups get 0).
+    unbiased: Bessel's correction for every std. False (default) gives K=2 -> +-1, as in
+        report 001; True matches TRL / verl / OpenRLHF and gives K=2 -> +-1/sqrt(2).
+    clip: if given, clamp advantages to [-clip, clip] (report 001's fix D uses 3, report
+        000's intent is 5; its formula `max(adv,-5) + min(adv,5)` is not a clamp: for
+        adv=1 it gives 1 + 1 = 2).
+    Returns (N,) advantages in the rewards' float dtype.
+    """
+    _check(rewards, k, norm)
+    if clip is not None and not clip > 0:
+        raise ValueError(f"clip must be > 0 (or None), got {clip}")
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r = rewards.to(torch.float64)                          # (N,)
+    g = r.view(-1, k)                                      # (B, K)
+
+    if norm == "group":
+        # A_i = (r_i - mean_g) / std_g            (GRPO, DeepSeekMath)
+        a = _safe_div(g - g.mean(1, keepdim=True), _std(g, 1, unbiased), eps)  # (B, K)
+    elif norm == "drgrpo":
+        # A_i = r_i - mean_g                      (Dr. GRPO: the std division biases toward
+        #                                          easy/hard prompts; drop it)
+        a = g - g.mean(1, keepdim=True)                                         # (B, K)
+    elif norm == "global":
+        # A_i = (r_i - mean_N) / std_N            (REINFORCE++: one baseline for the batch)
+        a = _safe_div(r - r.mean(), _std(r, 0, unbiased), eps)                  # (N,)
+    elif norm == "batch":
+        # A_i = (r_i - mean_g) / std_N            (group baseline, batch scale; std_N is the
+        #                                          std of the raw rewards, as TRL computes it)
+        a = _safe_div(g - g.mean(1, keepdim=True), _std(r, 0, unbiased), eps)   # (B, K)
+    elif norm == "rloo":
+        # A_i = r_i - (sum_g r - r_i) / (K - 1)   (each sample's baseline excludes itself,
+        #     = K/(K-1) * (r_i - mean_g)           so the baseline is independent of r_i)
+        a = g - (g.sum(1, keepdim=True) - g) / (k - 1)                          # (B, K)
+    else:  # "none"
+        # A_i = r_i                               (no baseline: every positive reward pushes up)
+        a = r.clone()                                                           # (N,)
+
+    a = a.reshape(-1)                                      # (N,)
+    if clip is not None:
+        # A_i = clamp(A_i, -clip, clip)
+        a = a.clamp(-clip, clip)
+    return a.to(out_dtype)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+        gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over tokens (Schulman et al. 2016), for PPO.
+
+    rewards, values, mask: (N, T). mask is 1 on the policy's own tokens (including the
+    end-of-sequence token it sampled) and 0 elsewhere: padding, and text an environment
+    inserted. Positions with mask 0 are skipped: their reward and value are ignored, and
+    the recursion jumps over them, so a tool response in the middle of a sequence links
+    the policy token before it to the policy token after it.
+
+        delta_t = r_t + gamma * V_{t'} - V_t      t' = the next policy token (V = 0 past the end)
+        A_t     = delta_t + gamma * lam * A_{t'}
+        R_t     = A_t + V_t                        (the value target)
+
+    Returns (advantages, returns), both (N, T), zero where mask is 0.
+    With gamma = lam = 1, A_t = sum of rewards from t on - V_t.
+    """
+    if not (rewards.shape == values.shape == mask.shape) or rewards.dim() != 2:
+        raise ValueError(f"rewards, values, mask must share one (N, T) shape, got "
+                         f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
+    m = mask.to(rewards.dtype)                             # (N, T)
+    n, t_len = rewards.shape
+    adv = torch.zeros_like(rewards)                        # (N, T)
+    next_value = rewards.new_zeros(n)                      # (N,) V of the next policy token
+    next_adv = rewards.new_zeros(n)                        # (N,) A of the next policy token
+    for t in reversed(range(t_len)):                       # a loop over time, vectorised over N
+        delta = rewards[:, t] + gamma * next_value - values[:, t]          # (N,)
+        a_t = delta + gamma * lam * next_adv                               # (N,)
+        on = m[:, t]                                                       # (N,)
+        adv[:, t] = a_t * on
+        # Where mask is 0, carry the next policy token's value and advantage unchanged.
+        next_value = on * values[:, t] + (1 - on) * next_value
+        next_adv = on * a_t + (1 - on) * next_adv
+    returns = (adv + values) * m                           # (N, T)
+    return adv, returns
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+           eps: float = 1e-8) -> torch.Tensor:
+    """Masked z-score: (x - mean) / sqrt(var + eps) over the entries where mask is 1.
+
+    x, mask: same shape. Population variance. shift_mean=False adds the mean back (PPO
+    implementations whiten rewards that way, keeping their sign). Zero where mask is 0.
+    """
+    m = mask.to(x.dtype)
+    count = m.sum().clamp_min(1)
+    # mean = sum(x * m) / sum(m);  var = sum((x - mean)^2 * m) / sum(m)
+    mean = (x * m).sum() / count
+    var = ((x - mean) ** 2 * m).sum() / count
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+# ---- diagnostics the trainer logs ----
+
+def frac_zero_std(rewards: torch.Tensor, k: int) -> float:
+    """Share of groups whose K rewards are all equal: they carry no learning signal under
+    any group baseline (TRL logs it as frac_reward_zero_std)."""
+    if k < 1 or rewards.numel() % k != 0:
+        raise ValueError(f"N={rewards.numel()} rewards cannot be split into groups of k={k}")
+    g = rewards.view(-1, k)                                # (B, K)
+    return (g.max(1).values == g.min(1).values).float().mean().item()
+
+
+def frac_pm1(advantages: torch.Tensor, tol: float = 1e-6) -> float:
+    """Share of advantages whose magnitude is 1 (within tol): the K=2 signature."""
+    return ((advantages.abs() - 1).abs() <= tol).float().mean().item()
