@@ -75,14 +75,64 @@ def plot_advantages(path: Path, ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batch
     return grid
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(run_dir: Path) -> Path:
+    """run_dir/curves.png: rates, advantage diagnostics and update statistics per step."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    steps = [r["step"] for r in rows]
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ax = axes[0]
+    for key, style in [("best_rate", "C0-"), ("valid_rate", "C2-"), ("fallback_rate", "C3-")]:
+        ax.plot(*series(key), style, alpha=0.35, lw=1, label=f"rollout {key}")
+    for key, style in [("eval_best_rate", "C0o-"), ("eval_valid_rate", "C2o-")]:
+        ax.plot(*series(key), style, lw=2, label=f"held-out {key[5:]}")
+    crashes = [r["step"] for r in rows if r.get("collapsed_after_update")]
+    ax.plot(crashes, [0.02] * len(crashes), "kx", label="collapsed after update")
+    ax.set(xlabel="step", ylabel="share of samples", ylim=(-0.03, 1.03), title="what the policy writes")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.plot(*series("frac_adv_pm1"), label="share |A| = 1")
+    ax.plot(*series("frac_zero_std_groups"), label="share zero-variance groups")
+    ax.plot(*series("adv_abs_mean"), label="mean |A|")
+    ax.set(xlabel="step", title="advantages")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    for key in ["entropy", "kl", "clip_frac", "grad_norm"]:
+        ax.plot(*series(key), label=key)
+    ax.set(xlabel="step", yscale="symlog", title="update")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"GRPO  K={cfg['k']}  B={cfg['batch']}  norm={cfg['norm']}  lr={cfg['lr']:g}  "
+                 f"seed={cfg['seed']}  ({len(steps)} steps)")
+    fig.tight_layout()
+    path = run_dir / "curves.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="figure", required=True)
     p = sub.add_parser("advantages", help="advantage distributions for K = 2, 4, 8, 16 under each norm")
     p.add_argument("--out", type=Path, default=Path("results/advantages.png"))
+    p = sub.add_parser("run", help="curves of one training run")
+    p.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
-    if args.figure == "advantages":
+    if args.figure == "run":
+        print(f"wrote {plot_run(args.run_dir)}")
+    elif args.figure == "advantages":
         grid = plot_advantages(args.out)
         print(f"wrote {args.out}")
         print("share of advantages with |A| == 1 (zero-variance groups), by norm and K:")

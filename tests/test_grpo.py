@@ -1,0 +1,147 @@
+"""grpo.py against references: naive log-softmax, hand arithmetic, the full-batch gradient."""
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import grpo
+from rollout import Rollout, completion_mask
+
+
+def test_token_logprobs_equal_naive_log_softmax_gather():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=gen) * 4
+    ids = torch.randint(0, 50, (3, 7), generator=gen)
+    naive = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(grpo.token_logprobs(logits, ids), naive)
+
+
+def test_token_entropy_equals_definition():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 11, generator=gen)
+    p = torch.softmax(logits, -1)
+    torch.testing.assert_close(grpo.token_entropy(logits), -(p * p.log()).sum(-1))
+
+
+@pytest.mark.parametrize("ratio, adv, expected, clipped", [
+    (1.1, 2.0, 1.1 * 2.0, False),        # inside the range: plain ratio * A
+    (1.5, 2.0, 1.2 * 2.0, True),         # A > 0, ratio above 1+eps: capped at 1.2 * A
+    (0.5, 2.0, 0.5 * 2.0, False),        # A > 0, ratio below 1-eps: min keeps the smaller 0.5*A
+    (0.5, -2.0, 0.8 * -2.0, True),       # A < 0, ratio below 1-eps: floored at 0.8 * A
+    (1.5, -2.0, 1.5 * -2.0, False),      # A < 0, ratio above 1+eps: min keeps the worse 1.5*A
+])
+def test_clipped_surrogate_against_hand_arithmetic(ratio, adv, expected, clipped):
+    old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), math.log(ratio))
+    s, c = grpo.clipped_surrogate(logp, old, torch.tensor([adv]), 0.2, 0.2)
+    assert s.item() == pytest.approx(expected, rel=1e-6)
+    assert c.item() == clipped
+
+
+def test_decoupled_upper_clip():
+    logp = torch.full((1, 1), math.log(1.25))
+    s, _ = grpo.clipped_surrogate(logp, torch.zeros(1, 1), torch.tensor([1.0]), 0.2, 0.28)
+    assert s.item() == pytest.approx(1.25)      # inside DAPO's wider upper bound
+
+
+def test_k3_is_zero_at_the_reference_and_positive_elsewhere():
+    logp = torch.log(torch.tensor([[0.2, 0.5, 0.9]]))
+    assert torch.equal(grpo.kl_k3(logp, logp), torch.zeros(1, 3))
+    other = torch.log(torch.tensor([[0.3, 0.1, 0.95]]))
+    assert (grpo.kl_k3(logp, other) > 0).all()
+    # Its mean over samples from the policy is KL(p || ref), checked on a categorical.
+    p = torch.tensor([0.7, 0.2, 0.1])
+    q = torch.tensor([0.5, 0.3, 0.2])
+    exact = (p * (p / q).log()).sum()
+    expectation = (p * grpo.kl_k3(p.log(), q.log())).sum()
+    torch.testing.assert_close(expectation, exact)
+
+
+def test_aggregations_against_hand_arithmetic():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert grpo.aggregate(loss, mask, "token-mean", 2, 4, 3).item() == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert grpo.aggregate(loss, mask, "seq-mean-token-mean", 2, 4, 3).item() == pytest.approx((2 + 4) / 2)
+    assert grpo.aggregate(loss, mask, "constant", 2, 4, 3).item() == pytest.approx(10 / (2 * 3))
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        grpo.aggregate(loss, mask, "bogus", 2, 4, 3)
+
+
+# ---- a tiny model and a synthetic batch ----
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    return Qwen2ForCausalLM(cfg)
+
+
+def synthetic_batch(model, n=8, p_len=4, c_len=6, eos=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(2, 20, (n, p_len), generator=gen)
+    prompt_mask = torch.ones(n, p_len, dtype=torch.long)
+    prompt_mask[: n // 2, :2] = 0                                 # left padding on half the rows
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 0)
+    completion_ids = torch.randint(2, 20, (n, c_len), generator=gen)
+    completion_ids[::3, 3] = eos                                  # some rows end early
+    mask = completion_mask(completion_ids, eos)
+    with torch.no_grad():
+        old, _ = grpo.completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, mask)
+    adv = torch.randn(n, generator=gen)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, old + 0.05 * torch.randn(n, c_len, generator=gen),
+                   old - 0.1, texts=[""] * n, advantages=adv)
+
+
+@pytest.mark.parametrize("agg", grpo.AGGREGATIONS)
+def test_micro_batched_gradient_equals_full_batch_gradient(agg):
+    grads = []
+    for micro in (8, 2):
+        model = tiny_model()
+        batch = synthetic_batch(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)          # lr 0: keep the weights
+        grpo.update(model, opt, batch, epochs=1, micro_batch=micro, clip_eps=0.2, clip_eps_high=0.2,
+                    beta=0.1, entropy_coef=0.01, agg=agg, max_len=6, max_grad_norm=float("inf"),
+                    temperature=1.0, seed=0)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    assert grads[0].abs().sum() > 0
+
+
+def test_left_padded_logprobs_equal_each_sequence_alone():
+    # Positions count from the first real token, so left padding changes nothing.
+    model = tiny_model(1)
+    batch = synthetic_batch(model)
+    with torch.no_grad():
+        together, _ = grpo.completion_logprobs(model, batch.prompt_ids, batch.prompt_mask,
+                                               batch.completion_ids, batch.completion_mask)
+        for i in range(4):                                        # the left-padded rows
+            real = batch.prompt_mask[i].bool()
+            alone, _ = grpo.completion_logprobs(model, batch.prompt_ids[i:i + 1, real],
+                                                batch.prompt_mask[i:i + 1, real],
+                                                batch.completion_ids[i:i + 1],
+                                                batch.completion_mask[i:i + 1])
+            m = batch.completion_mask[i].bool()
+            torch.testing.assert_close(together[i, m], alone[0, m], rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_loss_skips_the_step_and_leaves_weights_unchanged():
+    model = tiny_model()
+    batch = synthetic_batch(model)
+    batch.advantages[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = grpo.update(model, opt, batch, epochs=1, micro_batch=8, clip_eps=0.2, clip_eps_high=0.2,
+                        beta=0.0, entropy_coef=0.0, agg="token-mean", max_len=6, max_grad_norm=1.0,
+                        temperature=1.0, seed=0)
+    assert stats["skipped_nonfinite"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_completion_mask_keeps_the_sampled_eos_and_drops_what_follows():
+    eos = 1
+    ids = torch.tensor([[5, 6, eos, 0, 0], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]])
+    assert torch.equal(completion_mask(ids, eos), expected)
+    # pad == eos (many real tokenizers): the second row is what generate returns then, and
+    # the first EOS still counts as the policy's own token.

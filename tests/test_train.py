@@ -1,0 +1,95 @@
+"""train.py end to end on the CPU, in seconds: files, metrics, determinism, bad input."""
+import json
+
+import pytest
+
+import policy
+import train
+
+REQUIRED = ["step", "reward_mean", "reward_std", "valid_rate", "best_rate", "fallback_rate",
+            "frac_zero_std_groups", "adv_abs_mean", "frac_adv_pm1", "loss", "kl", "entropy",
+            "grad_norm", "clip_frac", "lr", "updated", "collapsed_after_update", "seconds"]
+
+
+def quick(tmp_path, name, *extra):
+    """A few steps with a small warm-up, cached in tmp_path."""
+    return ["--steps", "3", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
+            "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_smoke_run_writes_every_file_and_metric(tmp_path):
+    summary = train.train(train.parse_config(quick(tmp_path, "run", "--beta", "0.05")))
+    out = tmp_path / "run"
+    for f in ["config.json", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png"]:
+        assert (out / f).is_file(), f
+    first, *rows = read(out / "metrics.jsonl")
+    assert first["step"] == 0 and "eval_best_rate" in first      # evaluation before training
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in REQUIRED:
+        assert key in rows[0], key
+    assert "eval_best_rate" in rows[1] and "eval_valid_rate" in rows[2]
+    assert 0 <= summary["eval_best_rate_end"] <= 1 and summary["steps"] == 3
+    assert any(r["updated"] for r in rows) and rows[0]["kl"] is not None
+
+
+def test_same_seed_gives_identical_metrics(tmp_path):
+    runs = []
+    for name in ["a", "b"]:
+        train.train(train.parse_config(quick(tmp_path, name)))
+        rows = read(tmp_path / name / "metrics.jsonl")
+        for r in rows:
+            r.pop("seconds", None)
+        runs.append(rows)
+    assert runs[0] == runs[1]
+
+
+def test_a_local_model_folder_loads_with_model_flag(tmp_path):
+    # Any local causal LM folder works; here, the tiny model saved the way users save theirs.
+    model, tok = policy.tiny_policy(16, 1, 10, 3e-3, 16, 0, tmp_path / "cache", log=lambda s: None)
+    model.save_pretrained(tmp_path / "local")
+    tok.save_pretrained(tmp_path / "local")
+    summary = train.train(train.parse_config(quick(tmp_path, "local_run", "--model", str(tmp_path / "local"))))
+    assert summary["steps"] == 3
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--k", "0"], "--k"),
+    (["--k", "1", "--norm", "group"], "--k"),
+    (["--k", "1", "--norm", "rloo"], "--k"),
+    (["--norm", "bogus"], "--norm"),
+    (["--lr", "-1"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--batch", "0"], "--batch"),
+    (["--steps", "0"], "--steps"),
+    (["--clip-eps", "1.5"], "--clip-eps"),
+    (["--micro-batch", "7"], "--micro-batch"),
+    (["--temperature", "0"], "--temperature"),
+    (["--loss-agg", "mean"], "--loss-agg"),
+    (["--device", "tpu"], "--device"),
+    (["--model", "/nonexistent/model"], "--model"),
+    (["--k", "two"], "--k"),
+    (["--out", "/proc/not-writable"], "--out"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        train.parse_config(argv + (["--out", str(tmp_path / "x")] if "--out" not in argv else []))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_compare_runs_every_setting_over_seeds_and_writes_table_and_figure(tmp_path, capsys):
+    import compare
+    common = " ".join(quick(tmp_path, "unused")[:-2])                  # all but --out
+    compare.main(["--seeds", "2", "--common", common, "--out", str(tmp_path / "cmp"),
+                  "--k 2 --norm group", "--k 4 --norm global"])
+    table = (tmp_path / "cmp" / "table.md").read_text()
+    assert "`--k 2 --norm group`" in table and "`--k 4 --norm global`" in table
+    assert (tmp_path / "cmp" / "compare.png").is_file()
+    assert (tmp_path / "cmp" / "runs" / "k_2_norm_group" / "s1" / "metrics.jsonl").is_file()

@@ -1,0 +1,104 @@
+"""The workflow-DSL task of report 001, built in code.
+
+A prompt names a problem and its type; the type decides which workflow is best:
+
+    "Problem ( code ) : debug a parser . Workflow :"  ->  "Custom -> Programmer -> Review ? Revise : done"
+
+rewards.py scores a completion (1.0 best, 0.2 other valid DSL, 0 off-format).
+
+Train and held-out prompts share the four types but not the (verb, object) pairs: the
+held-out set checks that the policy learned "type -> workflow", not a list of prompts.
+
+The warm-start mix imitates report 001's starting point (570 outputs: 57.2% valid DSL,
+42.8% `### Step 1: ...` fallback text; top patterns in its section 3.2). Within the valid
+share we give the best workflow probability BEST_SHARE_OF_VALID; the report does not say
+how often the 0.2-or-1.0 patterns were right, so that number is our choice.
+"""
+import random
+
+from rewards import OPERATORS
+
+BEST_WORKFLOW = {
+    "code": "Custom -> Programmer -> Review ? Revise : done",
+    "math": "Programmer -> ScEnsemble",
+    "qa": "Custom -> AnswerGenerate -> ScEnsemble",
+    "writing": "Custom -> Review ? Revise : done",
+}
+TYPES = tuple(BEST_WORKFLOW)
+
+VERBS = {
+    "code": ["implement", "debug", "refactor", "test"],
+    "math": ["solve", "prove", "compute", "simplify"],
+    "qa": ["answer", "explain", "look up", "compare"],
+    "writing": ["draft", "edit", "summarise", "translate"],
+}
+OBJECTS = {
+    "code": ["a parser", "a cache", "a sorting function", "an api client", "a scheduler",
+             "a tokenizer", "a database query", "a file watcher"],
+    "math": ["an integral", "a recurrence", "a geometry problem", "a probability puzzle",
+             "a linear system", "an inequality", "a series", "a counting problem"],
+    "qa": ["a history question", "a science fact", "a travel question", "a legal term",
+           "a medical term", "a sports record", "a city fact", "a product review"],
+    "writing": ["an essay", "a cover letter", "a blog post", "a poem", "a press release",
+                "a short story", "a product description", "a speech"],
+}
+HELD_OUT_OBJECTS = 2   # the last 2 objects of each type are only ever seen in evaluation
+
+# Report 001, section 3.2: the ten most frequent valid DSLs and their counts.
+REPORT_TOP_PATTERNS = {
+    "Custom -> Programmer -> Review ? Revise : done": 115,
+    "Custom -> Programmer -> Review -> Revise": 69,
+    "Programmer": 47,
+    "Custom -> Programmer": 21,
+    "Custom -> Programmer -> Review": 18,
+    "Programmer -> Review ? Revise : done": 13,
+    "Programmer -> Review -> Revise": 10,
+    "Custom": 8,
+    "Programmer -> Review": 6,
+    "Custom -> Review ? Revise : done": 5,
+}
+FALLBACK_TEXTS = [
+    "### Step 1 : Analyze the problem",
+    "### Step 1 : Analyze the problem and identify the key requirements .",
+    "### Step 1 : Analyze the problem . ### Step 2 : Design a solution .",
+]
+VALID_SHARE = 0.572          # report 001: 326 / 570
+BEST_SHARE_OF_VALID = 0.35   # our choice: P(best | valid DSL) in the warm-start data
+
+
+def prompt_text(ptype: str, verb: str, obj: str) -> str:
+    return f"Problem ( {ptype} ) : {verb} {obj} . Workflow :"
+
+
+def make_prompts(split: str) -> list[dict]:
+    """All prompts of a split ('train' or 'eval'): dicts with text, type, best."""
+    prompts = []
+    for ptype in TYPES:
+        objs = OBJECTS[ptype][:-HELD_OUT_OBJECTS] if split == "train" \
+            else OBJECTS[ptype][-HELD_OUT_OBJECTS:]
+        for verb in VERBS[ptype]:
+            for obj in objs:
+                prompts.append({"text": prompt_text(ptype, verb, obj), "type": ptype,
+                                "best": BEST_WORKFLOW[ptype]})
+    return prompts
+
+
+def warmstart_completion(ptype: str, rng: random.Random) -> str:
+    """One supervised target drawn from the report-shaped mix for a prompt of this type."""
+    if rng.random() >= VALID_SHARE:
+        return rng.choice(FALLBACK_TEXTS)
+    if rng.random() < BEST_SHARE_OF_VALID:
+        return BEST_WORKFLOW[ptype]
+    others = {p: c for p, c in REPORT_TOP_PATTERNS.items() if p != BEST_WORKFLOW[ptype]}
+    return rng.choices(list(others), weights=list(others.values()))[0]
+
+
+def vocabulary() -> list[str]:
+    """Every word the task can produce, for the word-level tokenizer."""
+    words = {"Problem", "(", ")", ":", ".", "Workflow", "->", "?", "done"}
+    words.update(TYPES)
+    words.update(OPERATORS)
+    for texts in (*VERBS.values(), *OBJECTS.values(), FALLBACK_TEXTS):
+        for text in texts:
+            words.update(text.split())
+    return sorted(words)
