@@ -61,8 +61,10 @@ def sft_batch(tok, batch: int, rng: random.Random):
     prompts = task.make_prompts("train")
     rows, labels = [], []
     for p in rng.choices(prompts, k=batch):
-        p_ids = tok(p["text"])["input_ids"]
-        c_ids = tok(task.warmstart_completion(p["type"], rng))["input_ids"] + [tok.eos_token_id]
+        # The prompt exactly as rollouts show it (chat template included, if any).
+        p_ids = tok(format_prompt(tok, p["text"]), add_special_tokens=False)["input_ids"]
+        c_ids = tok(task.warmstart_completion(p["type"], rng), add_special_tokens=False)["input_ids"]
+        c_ids = c_ids + [tok.eos_token_id]
         rows.append(p_ids + c_ids)
         labels.append([-100] * len(p_ids) + c_ids)
     width = max(map(len, rows))
@@ -123,9 +125,9 @@ def tiny_policy(hidden: int, layers: int, sft_steps: int, sft_lr: float, sft_bat
 # ---- a local Hugging Face model ----
 
 def local_policy(path: str, sft_steps: int, sft_lr: float, sft_batch_size: int, seed: int,
-                 dtype=None, log=print):
+                 log=print):
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     tok.padding_side = "left"
     if tok.pad_token is None:
         # Pad may equal EOS here; completion masks come from the first EOS, not from pad ids.

@@ -192,8 +192,9 @@ def parse_config(argv=None) -> Config:
 def load(c: Config, device: str, log):
     if c.model:
         sft = 0 if c.sft_steps == -1 else c.sft_steps
-        dtype = torch.bfloat16 if device == "cuda" else None
-        model, tok = policy.local_policy(c.model, sft, c.sft_lr, 64, c.sft_seed, dtype, log)
+        # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
+        # weights would mostly round away.
+        model, tok = policy.local_policy(c.model, sft, c.sft_lr, 64, c.sft_seed, log)
     else:
         sft = 300 if c.sft_steps == -1 else c.sft_steps
         model, tok = policy.tiny_policy(c.hidden, c.layers, sft, c.sft_lr, 64, c.sft_seed,
@@ -227,6 +228,39 @@ def evaluate(model, tok, eval_prompts: list, c: Config) -> tuple[dict, list]:
     return {"eval_best_rate": r["best_rate"], "eval_valid_rate": r["valid_rate"],
             "eval_fallback_rate": r["fallback_rate"], "eval_junk_rate": r["junk_rate"]}, \
         list(zip(batch.texts, classes))
+
+
+def grpo_step(c: Config, model, tok, optimizer, ref_model, prompts: list, amp, step: int):
+    """One GRPO step on B prompts: rollout -> reward -> advantage -> update.
+
+    Returns the batch record, the completions' classes, the step's rollout metrics, and the
+    update's statistics (all None when no update was taken)."""
+    texts = [policy.format_prompt(tok, p["text"]) for p in prompts]
+    with amp():
+        batch = rollout.sample(model, tok, texts, c.k, c.max_new_tokens, c.temperature, ref_model)
+    batch.rewards, classes = score(batch.texts, prompts, c.k)                          # (N,)
+    batch.advantages = advantages.compute(batch.rewards, c.k, c.norm, unbiased=c.unbiased,
+                                          clip=c.adv_clip or None).to(batch.old_logp.device)  # (N,)
+    row = dict(step=step, reward_mean=batch.rewards.mean().item(),
+               reward_std=batch.rewards.std(correction=0).item(), **rates(classes),
+               frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, c.k),
+               adv_abs_mean=batch.advantages.abs().mean().item(),
+               frac_adv_pm1=advantages.frac_pm1(batch.advantages), lr=c.lr)
+
+    no_signal = bool((batch.advantages == 0).all()) and c.beta == 0 and c.entropy_coef == 0
+    guard = c.skip_all_fallback and row["fallback_rate"] == 1.0
+    stats = dict(loss=None, kl=None, entropy=None, clip_frac=None, grad_norm=None,
+                 skipped_nonfinite=0)
+    if not (no_signal or guard):
+        with amp():
+            stats = grpo.update(model, optimizer, batch, epochs=c.epochs,
+                                micro_batch=c.micro_batch or c.n, clip_eps=c.clip_eps,
+                                clip_eps_high=c.clip_eps_high or c.clip_eps, beta=c.beta,
+                                entropy_coef=c.entropy_coef, agg=c.loss_agg,
+                                max_len=c.max_new_tokens,
+                                max_grad_norm=c.max_grad_norm or float("inf"),
+                                temperature=c.temperature, seed=c.seed * 100003 + step)
+    return batch, classes, row, stats
 
 
 # ---- the loop ----
@@ -273,33 +307,9 @@ def train(c: Config) -> dict:
         t0 = time.time()
         prompts = rng.sample(train_prompts, c.batch) if c.batch <= len(train_prompts) \
             else rng.choices(train_prompts, k=c.batch)
-        texts = [policy.format_prompt(tok, p["text"]) for p in prompts]
-        with amp():
-            batch = rollout.sample(model, tok, texts, c.k, c.max_new_tokens, c.temperature, ref_model)
-        batch.rewards, classes = score(batch.texts, prompts, c.k)                      # (N,)
-        batch.advantages = advantages.compute(batch.rewards, c.k, c.norm, unbiased=c.unbiased,
-                                              clip=c.adv_clip or None).to(device)      # (N,)
-        row = dict(step=step, reward_mean=batch.rewards.mean().item(),
-                   reward_std=batch.rewards.std(correction=0).item(), **rates(classes),
-                   frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, c.k),
-                   adv_abs_mean=batch.advantages.abs().mean().item(),
-                   frac_adv_pm1=advantages.frac_pm1(batch.advantages), lr=c.lr)
-
-        no_signal = bool((batch.advantages == 0).all()) and c.beta == 0 and c.entropy_coef == 0
-        guard = c.skip_all_fallback and row["fallback_rate"] == 1.0
-        stats = dict(loss=None, kl=None, entropy=None, clip_frac=None, grad_norm=None,
-                     skipped_nonfinite=0)
-        if not (no_signal or guard):
-            with amp():
-                stats = grpo.update(model, optimizer, batch, epochs=c.epochs,
-                                    micro_batch=c.micro_batch or c.n, clip_eps=c.clip_eps,
-                                    clip_eps_high=c.clip_eps_high or c.clip_eps, beta=c.beta,
-                                    entropy_coef=c.entropy_coef, agg=c.loss_agg,
-                                    max_len=c.max_new_tokens,
-                                    max_grad_norm=c.max_grad_norm or float("inf"),
-                                    temperature=c.temperature, seed=c.seed * 100003 + step)
-            if stats["skipped_nonfinite"]:
-                say(f"step {step}: skipped {stats['skipped_nonfinite']} non-finite optimizer step(s)")
+        batch, classes, row, stats = grpo_step(c, model, tok, optimizer, ref_model, prompts, amp, step)
+        if stats["skipped_nonfinite"]:
+            say(f"step {step}: skipped {stats['skipped_nonfinite']} non-finite optimizer step(s)")
         updated = stats["loss"] is not None and stats["skipped_nonfinite"] < c.epochs
         collapsed = bool(prev and prev[0] and prev[1] > 0 and row["valid_rate"] <= prev[1] / 2)
         updates += updated
