@@ -18,6 +18,8 @@ penalty. eps_high > eps_low is DAPO's decoupled ("clip-higher") bound.
 
 Every knob is a flag of train.py; `python train.py --k 8 --norm global` runs it.
 """
+import math
+
 import torch
 
 
@@ -161,7 +163,7 @@ def update(model, optimizer, batch, *, epochs: int, micro_batch: int, clip_eps: 
             sums["clipped"] += (clipped.float() * mask).sum().item()
         # max_grad_norm = inf measures the norm without clipping.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        if torch.isfinite(grad_norm) and torch.isfinite(torch.tensor(sums["loss"])):
+        if torch.isfinite(grad_norm) and math.isfinite(sums["loss"]):
             optimizer.step()
         else:                                   # never apply a NaN/inf step; count it
             skipped += 1
