@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+import config
 import plots
 import train
 
@@ -28,7 +29,7 @@ import train
 def run_setting(argv: list, seeds: int, out: Path) -> list[dict]:
     summaries = []
     for seed in range(seeds):
-        c = train.parse_config(argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"])
+        c = config.parse_config(argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"])
         summaries.append(train.train(c))
     return summaries
 
@@ -87,7 +88,7 @@ def main(argv=None):
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     common = shlex.split(args.common)
     for s in args.settings:                       # fail on a bad setting before any run
-        train.parse_config(common + shlex.split(s) + ["--out", str(args.out)])
+        config.parse_config(common + shlex.split(s) + ["--out", str(args.out)])
     results = {}
     for s in args.settings:
         name = " ".join(shlex.split(s))

@@ -127,14 +127,15 @@ def update(model, optimizer, batch, *, epochs: int, micro_batch: int, clip_eps: 
     batch: a rollout.Rollout (prompt/completion ids and masks, old_logp, ref_logp,
     advantages; ref_logp None means no KL term). Returns the metrics of the last epoch:
     loss, kl (None without a reference), entropy, clip_frac,
-    grad_norm (before clipping), and skipped_nonfinite: how many optimizer steps were not
-    taken because the loss or the gradient norm was NaN or infinite (weights untouched).
+    grad_norm (before clipping), skipped_nonfinite: how many optimizer steps were not
+    taken because the loss or the gradient norm was NaN or infinite (weights and optimizer
+    state untouched), and nonfinite: which of the two it was.
     """
     n = batch.completion_ids.shape[0]
     m_all = batch.completion_mask
     batch_tokens = int(m_all.sum().clamp_min(1))
     gen = torch.Generator().manual_seed(seed)
-    skipped = 0
+    skipped, nonfinite = 0, []
     model.train()
     for _ in range(epochs):
         # Shuffle sequences across micro-batches; the full-batch gradient is the same.
@@ -163,13 +164,16 @@ def update(model, optimizer, batch, *, epochs: int, micro_batch: int, clip_eps: 
             sums["clipped"] += (clipped.float() * mask).sum().item()
         # max_grad_norm = inf measures the norm without clipping.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        if torch.isfinite(grad_norm) and math.isfinite(sums["loss"]):
+        bad = [name for name, v in (("loss", sums["loss"]), ("grad_norm", grad_norm.item()))
+               if not math.isfinite(v)]
+        if not bad:
             optimizer.step()
-        else:                                   # never apply a NaN/inf step; count it
+        else:                  # never apply a NaN/inf step: weights and optimizer state untouched
             skipped += 1
+            nonfinite = bad
             optimizer.zero_grad(set_to_none=True)
     kl = sums["kl"] / batch_tokens if batch.ref_logp is not None else None
     return dict(loss=sums["loss"], kl=kl,
                 entropy=sums["entropy"] / batch_tokens,
                 clip_frac=sums["clipped"] / batch_tokens, grad_norm=grad_norm.item(),
-                skipped_nonfinite=skipped)
+                skipped_nonfinite=skipped, nonfinite=nonfinite)

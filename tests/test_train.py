@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+import config
 import policy
 import train
 
@@ -23,7 +24,7 @@ def read(path):
 
 
 def test_smoke_run_writes_every_file_and_metric(tmp_path):
-    summary = train.train(train.parse_config(quick(tmp_path, "run", "--beta", "0.05")))
+    summary = train.train(config.parse_config(quick(tmp_path, "run", "--beta", "0.05")))
     out = tmp_path / "run"
     for f in ["config.json", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png"]:
         assert (out / f).is_file(), f
@@ -40,7 +41,7 @@ def test_smoke_run_writes_every_file_and_metric(tmp_path):
 def test_same_seed_gives_identical_metrics(tmp_path):
     runs = []
     for name in ["a", "b"]:
-        train.train(train.parse_config(quick(tmp_path, name)))
+        train.train(config.parse_config(quick(tmp_path, name)))
         rows = read(tmp_path / name / "metrics.jsonl")
         for r in rows:
             r.pop("seconds", None)
@@ -53,7 +54,7 @@ def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     model, tok = policy.tiny_policy(16, 1, 10, 3e-3, 16, 0, tmp_path / "cache", log=lambda s: None)
     model.save_pretrained(tmp_path / "local")
     tok.save_pretrained(tmp_path / "local")
-    summary = train.train(train.parse_config(quick(tmp_path, "local_run", "--model", str(tmp_path / "local"))))
+    summary = train.train(config.parse_config(quick(tmp_path, "local_run", "--model", str(tmp_path / "local"))))
     assert summary["steps"] == 3
 
 
@@ -78,7 +79,7 @@ def test_a_local_model_folder_loads_with_model_flag(tmp_path):
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        train.parse_config(argv + (["--out", str(tmp_path / "x")] if "--out" not in argv else []))
+        config.parse_config(argv + (["--out", str(tmp_path / "x")] if "--out" not in argv else []))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err

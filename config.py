@@ -1,0 +1,197 @@
+"""The run's configuration: one dataclass, the single source of truth, and the CLI built from it.
+
+Every field is a flag (`k` -> `--k`, `max_grad_norm` -> `--max-grad-norm`) whose help is the
+field's own one-line documentation; `python train.py --help` lists them. Every flag is
+checked here, before any model loads: bad input ends with one line naming the flag, and
+exit code 2.
+
+`--resume DIR` continues the run in DIR with the configuration saved there (config.json);
+only --steps (to extend the run) and --quiet may be given with it.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import advantages
+import checkpoint
+import grpo
+
+
+def opt(default, help, **kw):
+    return field(default=default, metadata=dict(help=help, **kw))
+
+
+@dataclass
+class Config:
+    # the GRPO batch
+    k: int = opt(8, "samples per prompt (K); group norms need K >= 2")
+    batch: int = opt(8, "prompts per step (B); N = B*K sequences per step")
+    norm: str = opt("global", "advantage estimator", choices=advantages.NORMS)
+    unbiased: bool = opt(False, "Bessel-corrected std in the advantage (TRL/verl habit; K=2 -> ±0.71)")
+    adv_clip: float = opt(0.0, "clamp advantages to [-c, c]; 0 = off")
+    # the update
+    steps: int = opt(100, "training steps (one batch of rollouts each)")
+    lr: float = opt(2e-3, "AdamW learning rate (the tiny model needs a large one)")
+    clip_eps: float = opt(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
+    clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
+    beta: float = opt(0.0, "weight of the k3 KL to the frozen reference; 0 = no reference model")
+    entropy_coef: float = opt(0.0, "entropy bonus weight")
+    loss_agg: str = opt("token-mean", "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
+    epochs: int = opt(1, "optimizer steps on each batch")
+    micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation); 0 = all N")
+    max_grad_norm: float = opt(1.0, "clip the global gradient norm; 0 = off")
+    skip_all_fallback: bool = opt(False, "report 001's guard: no update when every sample is fallback text")
+    # sampling
+    temperature: float = opt(1.0, "sampling temperature for rollouts and evaluation")
+    max_new_tokens: int = opt(24, "longest completion")
+    # evaluation and output
+    eval_every: int = opt(10, "evaluate on held-out prompts every this many steps")
+    eval_samples: int = opt(4, "samples per held-out prompt at each evaluation")
+    seed: int = opt(0, "seed of the RL phase (prompts and sampling)")
+    out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}")
+    log_samples: int = opt(4, "completions per step written to samples.jsonl")
+    quiet: bool = opt(False, "no progress line")
+    # surviving failures (checkpoint.py, monitor.py)
+    save_every: int = opt(0, "write a checkpoint every this many steps; 0 = only when a run stops early")
+    resume: str = opt("", "continue the run in this folder (or from this checkpoint folder)")
+    max_skips: int = opt(10, "stop the run (with a checkpoint) once more optimizer steps than this were non-finite")
+    alert_entropy: float = opt(0.5, "monitor: alert when the token-mean entropy falls below this (report 002)")
+    alert_kl: float = opt(0.5, "monitor: alert when the KL to the reference rises above this (report 002)")
+    alert_reward_range: float = opt(0.3, "monitor: alert when max - min of the mean reward over the window exceeds this")
+    alert_window: int = opt(10, "monitor: steps in the reward-range window")
+    stop_on_alert: bool = opt(False, "stop the run (with a checkpoint) at the monitor's first alert")
+    # the policy
+    device: str = opt("auto", "where to run", choices=("auto", "cpu", "cuda"))
+    model: str = opt("", "a local Hugging Face causal LM folder; default: the tiny model built in code")
+    hidden: int = opt(64, "tiny model: hidden size")
+    layers: int = opt(2, "tiny model: transformer layers")
+    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = 300 for the tiny model, 0 for --model")
+    sft_lr: float = opt(3e-3, "warm-up learning rate")
+    sft_seed: int = opt(0, "warm-up seed (one warm start shared by all RL seeds)")
+    cache_dir: str = opt(".cache/warmstart", "where warm-started weights are cached")
+
+    # derived sizes, computed in one place
+    @property
+    def n(self) -> int:
+        return self.batch * self.k
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def validate(c: Config) -> Config:
+    """Check every flag before any work starts; raise ConfigError naming the flag."""
+    def need(ok, flag, what):
+        if not ok:
+            raise ConfigError(f"--{flag}: {what}")
+    need(c.k >= 1, "k", f"must be >= 1, got {c.k}")
+    need(c.norm not in advantages.GROUP_NORMS or c.k >= 2, "k",
+         f"norm {c.norm!r} compares samples within a group and needs --k >= 2, got {c.k}")
+    need(c.batch >= 1, "batch", f"must be >= 1, got {c.batch}")
+    need(c.steps >= 1, "steps", f"must be >= 1, got {c.steps}")
+    need(c.lr > 0, "lr", f"must be > 0, got {c.lr}")
+    need(0 <= c.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {c.clip_eps}")
+    need(c.clip_eps_high >= 0, "clip-eps-high", f"must be >= 0, got {c.clip_eps_high}")
+    need(c.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {c.adv_clip}")
+    need(c.beta >= 0, "beta", f"must be >= 0, got {c.beta}")
+    need(c.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {c.entropy_coef}")
+    need(c.epochs >= 1, "epochs", f"must be >= 1, got {c.epochs}")
+    need(c.micro_batch >= 0 and (c.micro_batch == 0 or c.n % c.micro_batch == 0), "micro-batch",
+         f"must divide N = batch*k = {c.n} (or be 0), got {c.micro_batch}")
+    need(c.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {c.max_grad_norm}")
+    need(c.temperature > 0, "temperature", f"must be > 0, got {c.temperature}")
+    need(c.max_new_tokens >= 1, "max-new-tokens", f"must be >= 1, got {c.max_new_tokens}")
+    need(c.eval_every >= 1, "eval-every", f"must be >= 1, got {c.eval_every}")
+    need(c.eval_samples >= 1, "eval-samples", f"must be >= 1, got {c.eval_samples}")
+    need(c.hidden >= 4 and c.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {c.hidden}")
+    need(c.layers >= 1, "layers", f"must be >= 1, got {c.layers}")
+    need(c.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {c.sft_steps}")
+    need(c.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {c.save_every}")
+    need(c.max_skips >= 0, "max-skips", f"must be >= 0, got {c.max_skips}")
+    need(c.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {c.alert_entropy}")
+    need(c.alert_kl > 0, "alert-kl", f"must be > 0, got {c.alert_kl}")
+    need(c.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {c.alert_reward_range}")
+    need(c.alert_window >= 2, "alert-window", f"must be >= 2, got {c.alert_window}")
+    need(c.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
+    if c.model:
+        path = Path(c.model)
+        need(path.is_dir() and (path / "config.json").is_file(), "model",
+             f"{c.model!r} is not a readable model folder (no config.json)")
+    out = Path(c.out or default_out(c))
+    try:                               # the one side effect of validation: the run's folder
+        out.mkdir(parents=True, exist_ok=True)
+        ok = os.access(out, os.W_OK)
+    except OSError:
+        ok = False
+    need(ok, "out", f"cannot create or write to the folder {str(out)!r}")
+    return c
+
+
+def default_out(c: Config) -> str:
+    return f"runs/k{c.k}_b{c.batch}_{c.norm}_lr{c.lr:g}_s{c.seed}"
+
+
+def fail(message: str):
+    """Bad input: one line on stderr, exit code 2, before any work."""
+    print(f"train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):        # one line instead of usage + error
+        fail(message)
+
+
+def parse_config(argv=None) -> Config:
+    """The CLI, built from Config's fields: --field-name with the field's help."""
+    parser = _OneLineParser(description=__doc__.split("\n\n")[0] + " Flags:",
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default,
+                                choices=f.metadata.get("choices"), help=f.metadata["help"])
+    args = parser.parse_args(argv)
+    try:
+        c = Config(**vars(args))
+        if c.resume:
+            c = resumed_config(c)
+        return validate(c)
+    except ConfigError as e:
+        fail(str(e))
+
+
+RESUME_MAY_CHANGE = ("steps", "quiet", "resume")
+
+
+def resumed_config(given: Config) -> Config:
+    """The saved configuration of the run being resumed, with --steps/--quiet from the CLI."""
+    ckpt = checkpoint.find(Path(given.resume))
+    if ckpt is None:
+        raise ConfigError(f"--resume: no checkpoint in {given.resume!r} (expected a run folder "
+                          f"with checkpoints/step-*/ or a checkpoint folder)")
+    run_dir = checkpoint.run_dir_of(ckpt)
+    try:
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r}")
+    defaults = Config()
+    changed = [f.name for f in dataclasses.fields(Config) if f.name not in RESUME_MAY_CHANGE
+               and getattr(given, f.name) != getattr(defaults, f.name)]
+    if changed:
+        flags = ", ".join("--" + n.replace("_", "-") for n in changed)
+        raise ConfigError(f"--resume: uses the run's saved configuration; {flags} cannot be "
+                          f"changed (only --steps and --quiet can)")
+    merged = {**saved, "resume": str(ckpt), "out": str(run_dir), "quiet": given.quiet}
+    if given.steps != defaults.steps:
+        merged["steps"] = given.steps
+    return Config(**{k: v for k, v in merged.items() if k in {f.name for f in dataclasses.fields(Config)}})

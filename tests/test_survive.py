@@ -1,0 +1,206 @@
+"""A run that survives: non-finite guard, crash-safe logs, exact resume, loadable checkpoints."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import checkpoint
+import config
+import monitor
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def flags(tmp_path, name, *extra):
+    return ["--steps", "4", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
+            "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--beta", "0.01", "--quiet",
+            "--entropy-coef", "0.01",  # a gradient on every update, even when all rewards tie
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def without_seconds(rows):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def weights(ckpt):
+    return AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True).state_dict()
+
+
+def poison_training_forward(monkeypatch, on_calls):
+    """Make the logits NaN on the given training-mode forward passes (1-based count)."""
+    real_load = train.load
+    calls = {"n": 0}
+
+    def load(*args, **kwargs):
+        model, tok = real_load(*args, **kwargs)
+
+        def hook(module, inputs, output):
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] in on_calls:
+                    output.logits = output.logits * float("nan")
+            return output
+        model.register_forward_hook(hook)
+        return model, tok
+    monkeypatch.setattr(train, "load", load)
+
+
+# ---- the non-finite guard ----
+
+def test_nan_loss_skips_the_step_with_weights_and_optimizer_bitwise_unchanged(tmp_path, monkeypatch):
+    poison_training_forward(monkeypatch, on_calls={2})          # the update of step 2
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "1")))
+    rows = read(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert rows[1]["skipped_nonfinite"] == 1 and rows[1]["updated"] is False
+    assert set(rows[1]["nonfinite"]) == {"loss", "grad_norm"}
+    assert rows[2]["updated"] is True and rows[3]["updated"] is True      # the run went on
+    assert summary["skipped_nonfinite"] == 1 and summary["stopped"] is None
+    ckpts = tmp_path / "run" / "checkpoints"
+    w1, w2, w3 = (weights(ckpts / f"step-00000{i}") for i in (1, 2, 3))
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)              # step 2 changed nothing
+    assert not all(torch.equal(w2[k], w3[k]) for k in w2)          # step 3 did update
+    o1, o2 = (torch.load(ckpts / f"step-00000{i}" / checkpoint.STATE_FILE, weights_only=True)["optimizer"]
+              for i in (1, 2))
+    for s1, s2 in zip(o1["state"].values(), o2["state"].values()):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_too_many_skips_stop_the_run_with_a_checkpoint_of_the_last_good_weights(tmp_path, monkeypatch):
+    poison_training_forward(monkeypatch, on_calls=set(range(2, 100)))   # every update after step 1
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "10", "--max-skips", "1")))
+    assert summary["stopped"] and "--max-skips 1" in summary["stopped"]
+    assert summary["steps"] == 3 and summary["skipped_nonfinite"] == 2
+    last = checkpoint.find(tmp_path / "run")
+    assert last.name == "step-000003"
+    state = torch.load(last / checkpoint.STATE_FILE, weights_only=True)
+    assert state["loop"]["updates"] == 1
+
+
+def test_non_finite_rewards_skip_the_update_and_are_never_averaged_in(tmp_path, monkeypatch):
+    real_score = train.score
+
+    def score(texts, prompts, k):
+        r, classes = real_score(texts, prompts, k)
+        r[0] = float("nan")
+        return r, classes
+    monkeypatch.setattr(train, "score", score)
+    train.train(config.parse_config(flags(tmp_path, "run")))
+    rows = read(tmp_path / "run" / "metrics.jsonl")[1:]
+    for r in rows:
+        assert r["nonfinite_rewards"] == 1 and r["nonfinite"] == ["reward"] and not r["updated"]
+        assert r["reward_mean"] is not None and r["reward_mean"] == r["reward_mean"]   # not NaN
+
+
+# ---- crash-safe logs and exact resume ----
+
+def test_kill_9_mid_run_leaves_logs_that_parse_line_by_line_and_resume_matches(tmp_path):
+    extra = ["--steps", "300", "--save-every", "5", "--eval-every", "7"]
+    argv = flags(tmp_path, "killed", *extra)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT)
+    ckpt = tmp_path / "killed" / "checkpoints" / "step-000010"
+    deadline = time.time() + 120
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.kill()                                                   # SIGKILL: no cleanup at all
+    proc.wait()
+    rows = read(tmp_path / "killed" / "metrics.jsonl")            # every line parses
+    read(tmp_path / "killed" / "samples.jsonl")
+    assert 10 <= rows[-1]["step"] < 300, "the run was not interrupted mid-way"
+    assert [r["step"] for r in rows] == list(range(rows[-1]["step"] + 1))
+
+    # Resume the killed run, and run the same configuration without interruption.
+    train.train(config.parse_config(["--resume", str(tmp_path / "killed"), "--quiet"]))
+    train.train(config.parse_config(flags(tmp_path, "straight", *extra)))
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        resumed, straight = read(tmp_path / "killed" / log), read(tmp_path / "straight" / log)
+        assert without_seconds(resumed) == without_seconds(straight), log
+
+
+def test_resume_from_an_older_checkpoint_redoes_the_later_steps_exactly(tmp_path):
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "6", "--save-every", "3")))
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "copy" / "checkpoints" / "step-000006")   # as if killed at step 5
+    train.train(config.parse_config(["--resume", str(tmp_path / "copy"), "--quiet"]))
+    assert without_seconds(read(tmp_path / "copy" / "metrics.jsonl")) == \
+        without_seconds(read(tmp_path / "run" / "metrics.jsonl"))
+    assert json.loads((tmp_path / "copy" / "summary.json").read_text())["updates"] == \
+        json.loads((tmp_path / "run" / "summary.json").read_text())["updates"]
+
+
+def test_a_checkpoint_loads_in_plain_transformers_and_generates(tmp_path):
+    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "4")))
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000004"
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    ids = tok("Problem ( code ) : debug a parser . Workflow :", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_jsonl_log_appends_whole_lines_and_truncates_by_step(tmp_path):
+    log = checkpoint.JsonlLog(tmp_path / "m.jsonl", append=False)
+    for step in range(5):
+        log.write({"step": step, "text": "x" * 20000})             # longer than any buffer
+    log.close()
+    checkpoint.truncate_log(tmp_path / "m.jsonl", 2)
+    log = checkpoint.JsonlLog(tmp_path / "m.jsonl", append=True)
+    log.write({"step": 3})
+    log.close()
+    assert [r["step"] for r in read(tmp_path / "m.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--save-every", "-1"], "--save-every"),
+    (["--max-skips", "-1"], "--max-skips"),
+    (["--alert-window", "1"], "--alert-window"),
+    (["--alert-kl", "0"], "--alert-kl"),
+    (["--resume", "/nonexistent/run"], "--resume"),
+])
+def test_bad_survival_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(argv + ["--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_resume_refuses_to_change_the_saved_configuration(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "4")))
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(["--resume", str(tmp_path / "run"), "--lr", "0.1"])
+    assert e.value.code == 2 and "--lr" in capsys.readouterr().err
+    extended = config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "9"])
+    assert extended.steps == 9 and extended.k == 4 and extended.out == str(tmp_path / "run")
+
+
+# ---- the monitor ----
+
+def test_monitor_alerts_once_per_episode_on_a_scripted_run():
+    m = monitor.StabilityMonitor(min_entropy=0.5, max_kl=0.5, max_reward_range=0.3, window=3)
+    script = [  # (reward, entropy, kl) -> alerts starting now
+        ((0.5, 1.0, 0.1), []),
+        ((0.5, 0.4, 0.1), ["entropy_low"]),
+        ((0.5, 0.3, None), []),                    # still low: same episode, no new alert
+        ((0.5, None, None), []),                   # not measured: the episode goes on
+        ((0.5, 0.2, None), []),                    # ... so this is not a new one
+        ((0.9, 1.0, 0.7), ["kl_high", "reward_swing"]),
+        ((0.9, 0.2, 0.1), ["entropy_low"]),        # a second episode of low entropy
+        ((0.9, None, None), []),                   # nothing measured: nothing raised
+    ]
+    for (reward, ent, kl), expected in script:
+        _, started, messages = m.update(reward, ent, kl)
+        assert started == expected and len(messages) == len(expected)
+    assert m.episodes == {"entropy_low": 2, "kl_high": 1, "reward_swing": 1}
+    copy = monitor.StabilityMonitor(window=3)
+    copy.load_state_dict(m.state_dict())
+    assert copy.update(0.9, 1.0, 0.1) == m.update(0.9, 1.0, 0.1)
