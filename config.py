@@ -21,6 +21,8 @@ import torch
 import advantages
 import checkpoint
 import grpo
+import kl
+import schedules
 
 
 def opt(default, help, **kw):
@@ -29,7 +31,8 @@ def opt(default, help, **kw):
 
 @dataclass
 class Config:
-    # the GRPO batch
+    algo: str = opt("grpo", "the algorithm: GRPO (no critic) or PPO (value head + GAE)", choices=("grpo", "ppo"))
+    # the batch
     k: int = opt(8, "samples per prompt (K); group norms need K >= 2")
     batch: int = opt(8, "prompts per step (B); N = B*K sequences per step")
     norm: str = opt("global", "advantage estimator", choices=advantages.NORMS)
@@ -40,12 +43,32 @@ class Config:
     lr: float = opt(2e-3, "AdamW learning rate (the tiny model needs a large one)")
     clip_eps: float = opt(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
     clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
-    beta: float = opt(0.0, "weight of the k3 KL to the frozen reference; 0 = no reference model")
-    entropy_coef: float = opt(0.0, "entropy bonus weight")
+    lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
+    min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
+    warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
+    entropy_coef: float = opt(0.0, "entropy bonus weight (at the first step)")
+    entropy_coef_end: float = opt(-1.0, "entropy bonus at the last step, linear in between; -1 = no decay")
     loss_agg: str = opt("token-mean", "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
-    epochs: int = opt(1, "optimizer steps on each batch")
-    micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation); 0 = all N")
+    epochs: int = opt(1, "passes over each batch")
+    mini_batch: int = opt(0, "sequences per optimizer step; 0 = all N (one step per epoch)")
+    micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation); 0 = the whole mini-batch")
+    target_kl: float = opt(0.0, "stop an update's epochs once approx_kl passes this (CleanRL); 0 = off")
     max_grad_norm: float = opt(1.0, "clip the global gradient norm; 0 = off")
+    # KL to the reference (kl.py)
+    beta: float = opt(0.0, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
+                      aliases=("--kl-coef",))
+    kl_control: str = opt("fixed", "how beta moves: fixed, ratio (report 002) or range (report 003)", choices=kl.CONTROLS)
+    kl_target: float = opt(0.01, "ratio control: the KL target")
+    kl_target_min: float = opt(0.01, "range control: lower beta below this KL")
+    kl_target_max: float = opt(0.1, "range control: raise beta above this KL")
+    kl_estimator: str = opt("k3", "per-token KL estimator", choices=kl.ESTIMATORS)
+    kl_in: str = opt("auto", "where the KL goes: loss (GRPO's habit), reward (PPO's); auto = by --algo",
+                     choices=("auto", "loss", "reward"))
+    # PPO's critic (ppo.py)
+    vf_coef: float = opt(0.5, "PPO: weight of the value loss")
+    value_clip: float = opt(0.2, "PPO: value-loss clip range around the old values; 0 = unclipped")
+    gamma: float = opt(1.0, "PPO: discount per token")
+    lam: float = opt(0.95, "PPO: GAE lambda")
     skip_all_fallback: bool = opt(False, "report 001's guard: no update when every sample is fallback text")
     # sampling
     temperature: float = opt(1.0, "sampling temperature for rollouts and evaluation")
@@ -81,6 +104,10 @@ class Config:
     def n(self) -> int:
         return self.batch * self.k
 
+    @property
+    def kl_in_reward(self) -> bool:
+        return self.kl_in == "reward" or (self.kl_in == "auto" and self.algo == "ppo")
+
 
 class ConfigError(ValueError):
     pass
@@ -103,8 +130,25 @@ def validate(c: Config) -> Config:
     need(c.beta >= 0, "beta", f"must be >= 0, got {c.beta}")
     need(c.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {c.entropy_coef}")
     need(c.epochs >= 1, "epochs", f"must be >= 1, got {c.epochs}")
-    need(c.micro_batch >= 0 and (c.micro_batch == 0 or c.n % c.micro_batch == 0), "micro-batch",
-         f"must divide N = batch*k = {c.n} (or be 0), got {c.micro_batch}")
+    need(c.mini_batch >= 0 and (c.mini_batch == 0 or c.n % c.mini_batch == 0), "mini-batch",
+         f"must divide N = batch*k = {c.n} (or be 0), got {c.mini_batch}")
+    mini = c.mini_batch or c.n
+    need(c.micro_batch >= 0 and (c.micro_batch == 0 or mini % c.micro_batch == 0), "micro-batch",
+         f"must divide the mini-batch ({mini} sequences) (or be 0), got {c.micro_batch}")
+    need(c.target_kl >= 0, "target-kl", f"must be >= 0 (0 = off), got {c.target_kl}")
+    need(0 <= c.min_lr <= c.lr, "min-lr", f"must be in [0, --lr], got {c.min_lr}")
+    need(0 <= c.warmup_steps < c.steps, "warmup-steps", f"must be in [0, --steps), got {c.warmup_steps}")
+    need(c.entropy_coef_end == -1 or c.entropy_coef_end >= 0, "entropy-coef-end",
+         f"must be >= 0 (or -1 = no decay), got {c.entropy_coef_end}")
+    need(c.kl_control == "fixed" or c.beta > 0, "kl-coef",
+         f"adaptive --kl-control {c.kl_control} needs a starting --kl-coef > 0")
+    need(c.kl_target > 0, "kl-target", f"must be > 0, got {c.kl_target}")
+    need(0 < c.kl_target_min < c.kl_target_max, "kl-target-min",
+         f"need 0 < --kl-target-min < --kl-target-max, got {c.kl_target_min} and {c.kl_target_max}")
+    need(c.vf_coef >= 0, "vf-coef", f"must be >= 0, got {c.vf_coef}")
+    need(c.value_clip >= 0, "value-clip", f"must be >= 0 (0 = off), got {c.value_clip}")
+    need(0 <= c.gamma <= 1, "gamma", f"must be in [0, 1], got {c.gamma}")
+    need(0 <= c.lam <= 1, "lam", f"must be in [0, 1], got {c.lam}")
     need(c.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {c.max_grad_norm}")
     need(c.temperature > 0, "temperature", f"must be > 0, got {c.temperature}")
     need(c.max_new_tokens >= 1, "max-new-tokens", f"must be >= 1, got {c.max_new_tokens}")
@@ -135,6 +179,8 @@ def validate(c: Config) -> Config:
 
 
 def default_out(c: Config) -> str:
+    if c.algo == "ppo":
+        return f"runs/ppo_k{c.k}_b{c.batch}_lr{c.lr:g}_s{c.seed}"
     return f"runs/k{c.k}_b{c.batch}_{c.norm}_lr{c.lr:g}_s{c.seed}"
 
 
@@ -154,11 +200,11 @@ def parse_config(argv=None) -> Config:
     parser = _OneLineParser(description=__doc__.split("\n\n")[0] + " Flags:",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+            parser.add_argument(*flags, action="store_true", help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=type(f.default), default=f.default,
+            parser.add_argument(*flags, type=type(f.default), default=f.default,
                                 choices=f.metadata.get("choices"), help=f.metadata["help"])
     args = parser.parse_args(argv)
     try:

@@ -8,7 +8,7 @@ Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
 
     ratio_it  = exp(logp_it - logp_old_it)
     surrogate = min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)     (PPO)
-    kl_it     = exp(ref - logp) - (ref - logp) - 1                                 (k3)
+    kl_it     = a per-token estimate of KL(policy || reference)                    (kl.py; k3 default)
     loss_it   = -surrogate + beta * kl_it - entropy_coef * H_it
 
 summed over tokens and divided by one of three normalisers (`aggregate`). GRPO departs
@@ -21,6 +21,8 @@ Every knob is a flag of train.py; `python train.py --k 8 --norm global` runs it.
 import math
 
 import torch
+
+import kl
 
 
 # ---- log-probabilities ----
@@ -43,12 +45,13 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature: float = 1.0, with_entropy: bool = False,
-                        entropy_grad: bool = False):
-    """Per-token log-probs of the completion under the model: (n, C), and entropy (n, C).
+                        entropy_grad: bool = False, return_hidden: bool = False):
+    """Per-token log-probs of the completion under the model: (n, C); entropy (n, C) or None;
+    and, with return_hidden, the last hidden states that predict each token (n, C, H).
 
     prompt_ids (n, P) are left-padded, completion_ids (n, C) right-padded. Positions are
     counted from the first real token, as `generate` counts them, so left padding does not
-    shift them. Only the C + 1 last positions go through the LM head (logits_to_keep).
+    shift them. Only the C + 1 last positions go through the LM head (never all P + C).
     Logits are divided by the sampling temperature: the ratio compares the distribution
     the samples were actually drawn from. The entropy carries a gradient only when
     entropy_grad (an entropy bonus); as a metric it stays out of the graph.
@@ -57,34 +60,30 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     attn = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+C)
     positions = (attn.cumsum(-1) - 1).clamp_min(0)                          # (n, P+C)
     c_len = completion_ids.shape[1]
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions,
-                logits_to_keep=c_len + 1, use_cache=False)
-    # logits at position j predict token j+1: the last C+1 positions predict the C
-    # completion tokens (and one token past the end, dropped).
-    logits = out.logits[:, :-1].float() / temperature                       # (n, C, V)
+    h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                         use_cache=False).last_hidden_state[:, -(c_len + 1):]  # (n, C+1, H)
+    # hidden state j predicts token j+1: the last C+1 positions predict the C completion
+    # tokens (and one token past the end, dropped).
+    logits = model.get_output_embeddings()(h)[:, :-1].float() / temperature  # (n, C, V)
     logp = token_logprobs(logits, completion_ids)                           # (n, C)
     entropy = None
     if with_entropy:
         entropy = token_entropy(logits if entropy_grad else logits.detach())  # (n, C)
+    if return_hidden:
+        return logp, entropy, h[:, :-1]                                     # (n, C, H)
     return logp, entropy
 
 
 # ---- the loss ----
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(policy || reference) per token (Schulman's 'approximating KL'):
-    x = ref - logp;  k3 = exp(x) - x - 1 >= 0, unbiased for samples from the policy."""
-    x = ref_logp - logp
-    return torch.exp(x) - x - 1
-
-
 def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float):
     """PPO's clipped objective per token, to be maximised, and where clipping bites.
 
-    logp, old_logp: (n, C); adv: (n,). Returns (surrogate (n, C), clipped (n, C) bool).
+    logp, old_logp: (n, C); adv: (n,) one per sequence (GRPO) or (n, C) one per token (PPO).
+    Returns (surrogate (n, C), clipped (n, C) bool).
     """
     ratio = torch.exp(logp - old_logp)                                      # (n, C)
-    a = adv.unsqueeze(1)                                                    # (n, 1)
+    a = adv.unsqueeze(1) if adv.dim() == 1 else adv                         # (n, 1) or (n, C)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * a
     # min(): the objective never rewards moving the ratio past the clip range.
@@ -117,63 +116,97 @@ def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, ma
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
 
 
-# ---- one update on a batch of rollouts ----
+# ---- the update loop, shared with ppo.py ----
 
-def update(model, optimizer, batch, *, epochs: int, micro_batch: int, clip_eps: float,
-           clip_eps_high: float, beta: float, entropy_coef: float, agg: str, max_len: int,
-           max_grad_norm: float, temperature: float, seed: int) -> dict:
-    """`epochs` optimizer steps on one batch, each accumulated over micro-batches.
+def optimize(params: list, optimizer, n: int, loss_fn, *, epochs: int, mini_batch: int,
+             micro_batch: int, max_grad_norm: float, seed: int, target_kl: float = 0.0) -> dict:
+    """`epochs` passes over n sequences in shuffled mini-batches: one optimizer step per
+    mini-batch, its gradient accumulated over micro-batches.
+
+    loss_fn(idx, mb_seqs, mb_tokens) -> (loss, sums) for the sequences idx of a mini-batch of
+    mb_seqs sequences and mb_tokens policy tokens: a scalar already normalised by those
+    counts (so micro-batch losses add up to the mini-batch loss, and accumulation is exact),
+    and per-token sums for the metrics ('approx_kl' among them).
+    Guard: a NaN/inf loss or gradient norm skips that optimizer step (weights and optimizer
+    state untouched); params are every parameter the optimizer updates, the norm is theirs.
+    Early stop (CleanRL): after an epoch whose token-mean approx_kl
+    exceeds target_kl (> 0), no further epochs. Returns the last epoch's token means, plus
+    loss, grad_norm, skipped_nonfinite, nonfinite (which quantity), epochs_run.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    skipped, nonfinite, epochs_run = 0, [], 0
+    for _ in range(epochs):
+        # Shuffle sequences across mini-batches; with one mini-batch the order does not matter.
+        order = torch.randperm(n, generator=gen) if epochs > 1 else torch.arange(n)
+        sums, tokens, losses = {}, 0, []
+        for mb_start in range(0, n, mini_batch):
+            mb = order[mb_start:mb_start + mini_batch]
+            mb_tokens = int(loss_fn.tokens(mb))
+            optimizer.zero_grad(set_to_none=True)
+            mb_loss = 0.0
+            for start in range(0, len(mb), micro_batch):
+                loss, part = loss_fn(mb[start:start + micro_batch], len(mb), mb_tokens)
+                loss.backward()
+                mb_loss += loss.item()
+                for key, v in part.items():
+                    sums[key] = sums.get(key, 0.0) + v
+            tokens += mb_tokens
+            losses.append(mb_loss)
+            # max_grad_norm = inf measures the norm without clipping.
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            bad = [name for name, v in (("loss", mb_loss), ("grad_norm", grad_norm.item()))
+                   if not math.isfinite(v)]
+            if not bad:
+                optimizer.step()
+            else:              # never apply a NaN/inf step: weights and optimizer state untouched
+                skipped += 1
+                nonfinite = bad
+                optimizer.zero_grad(set_to_none=True)
+        epochs_run += 1
+        if target_kl > 0 and sums.get("approx_kl", 0.0) / max(tokens, 1) > target_kl:
+            break
+    stats = {key: v / max(tokens, 1) for key, v in sums.items()}
+    return dict(stats, loss=sum(losses) / len(losses), grad_norm=grad_norm.item(),
+                skipped_nonfinite=skipped, nonfinite=nonfinite, epochs_run=epochs_run)
+
+
+# ---- one GRPO update on a batch of rollouts ----
+
+def update(model, optimizer, batch, *, epochs: int, mini_batch: int, micro_batch: int,
+           clip_eps: float, clip_eps_high: float, beta: float, kl_estimator: str,
+           kl_in_loss: bool, entropy_coef: float, agg: str, max_len: int,
+           max_grad_norm: float, temperature: float, seed: int, target_kl: float = 0.0) -> dict:
+    """GRPO's loss on one batch of rollouts, optimised by `optimize`.
 
     batch: a rollout.Rollout (prompt/completion ids and masks, old_logp, ref_logp,
-    advantages; ref_logp None means no KL term). Returns the metrics of the last epoch:
-    loss, kl (None without a reference), entropy, clip_frac,
-    grad_norm (before clipping), skipped_nonfinite: how many optimizer steps were not
-    taken because the loss or the gradient norm was NaN or infinite (weights and optimizer
-    state untouched), and nonfinite: which of the two it was.
+    advantages; ref_logp None means no reference). Returns loss, entropy, clip_frac,
+    approx_kl, grad_norm (before clipping), epochs_run, and the guard's skipped_nonfinite /
+    nonfinite.
     """
-    n = batch.completion_ids.shape[0]
-    m_all = batch.completion_mask
-    batch_tokens = int(m_all.sum().clamp_min(1))
-    gen = torch.Generator().manual_seed(seed)
-    skipped, nonfinite = 0, []
+    def loss_fn(idx, mb_seqs, mb_tokens):
+        mask = batch.completion_mask[idx]                                       # (n, C)
+        logp, ent = completion_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
+                                        batch.completion_ids[idx], mask, temperature,
+                                        with_entropy=True, entropy_grad=entropy_coef > 0)
+        old = batch.old_logp[idx]                                               # (n, C)
+        surrogate, clipped = clipped_surrogate(logp, old, batch.advantages[idx],
+                                               clip_eps, clip_eps_high)
+        per_token = -surrogate                                                  # (n, C)
+        if kl_in_loss and batch.ref_logp is not None:
+            per_token = per_token + beta * kl.estimate(logp, batch.ref_logp[idx], kl_estimator)
+        if entropy_coef > 0:
+            per_token = per_token - entropy_coef * ent
+        loss = aggregate(per_token, mask, agg, mb_seqs, mb_tokens, max_len)
+        log_ratio = (logp - old).detach()
+        # approx_kl = E[(ratio - 1) - log ratio], the k3 estimate of KL(old || new) (CleanRL)
+        return loss, dict(entropy=(ent.detach() * mask).sum().item(),
+                          clipped=(clipped.float() * mask).sum().item(),
+                          approx_kl=(((log_ratio.exp() - 1) - log_ratio) * mask).sum().item())
+    loss_fn.tokens = lambda idx: batch.completion_mask[idx].sum().clamp_min(1)
+
     model.train()
-    for _ in range(epochs):
-        # Shuffle sequences across micro-batches; the full-batch gradient is the same.
-        order = torch.randperm(n, generator=gen) if epochs > 1 else torch.arange(n)
-        sums = dict(loss=0.0, kl=0.0, entropy=0.0, clipped=0.0)
-        optimizer.zero_grad(set_to_none=True)
-        for start in range(0, n, micro_batch):
-            idx = order[start:start + micro_batch]
-            mask = m_all[idx]                                                   # (n, C)
-            logp, ent = completion_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
-                                            batch.completion_ids[idx], mask, temperature,
-                                            with_entropy=True, entropy_grad=entropy_coef > 0)
-            surrogate, clipped = clipped_surrogate(logp, batch.old_logp[idx],
-                                                   batch.advantages[idx], clip_eps, clip_eps_high)
-            per_token = -surrogate                                              # (n, C)
-            if batch.ref_logp is not None:
-                kl = kl_k3(logp, batch.ref_logp[idx])                           # (n, C)
-                per_token = per_token + beta * kl
-                sums["kl"] += (kl.detach() * mask).sum().item()
-            if entropy_coef > 0:
-                per_token = per_token - entropy_coef * ent
-            loss = aggregate(per_token, mask, agg, n, batch_tokens, max_len)
-            loss.backward()
-            sums["loss"] += loss.item()
-            sums["entropy"] += (ent.detach() * mask).sum().item()
-            sums["clipped"] += (clipped.float() * mask).sum().item()
-        # max_grad_norm = inf measures the norm without clipping.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        bad = [name for name, v in (("loss", sums["loss"]), ("grad_norm", grad_norm.item()))
-               if not math.isfinite(v)]
-        if not bad:
-            optimizer.step()
-        else:                  # never apply a NaN/inf step: weights and optimizer state untouched
-            skipped += 1
-            nonfinite = bad
-            optimizer.zero_grad(set_to_none=True)
-    kl = sums["kl"] / batch_tokens if batch.ref_logp is not None else None
-    return dict(loss=sums["loss"], kl=kl,
-                entropy=sums["entropy"] / batch_tokens,
-                clip_frac=sums["clipped"] / batch_tokens, grad_norm=grad_norm.item(),
-                skipped_nonfinite=skipped, nonfinite=nonfinite)
+    out = optimize(list(model.parameters()), optimizer, batch.completion_ids.shape[0], loss_fn,
+                   epochs=epochs, mini_batch=mini_batch, micro_batch=micro_batch,
+                   max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl)
+    out["clip_frac"] = out.pop("clipped")
+    return out

@@ -27,8 +27,10 @@ class Rollout:
     old_logp: torch.Tensor          # (N, C) log-probs under the policy that sampled
     ref_logp: torch.Tensor | None   # (N, C) log-probs under the frozen reference, or None
     texts: list                     # N decoded completions
+    old_values: torch.Tensor | None = None   # (N, C) the critic's values when sampled (PPO)
     rewards: torch.Tensor | None = None      # (N,) filled by the task's reward
-    advantages: torch.Tensor | None = None   # (N,) filled by advantages.compute
+    advantages: torch.Tensor | None = None   # (N,) per sequence (GRPO) or (N, C) per token (PPO)
+    returns: torch.Tensor | None = None      # (N, C) the critic's targets (PPO)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -41,8 +43,9 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperature: float,
-           ref_model=None) -> Rollout:
-    """Generate k completions for each prompt and record them with their log-probs."""
+           ref_model=None, value_head=None) -> Rollout:
+    """Generate k completions for each prompt and record them with their log-probs (and,
+    given a value head, the values, from the same forward pass)."""
     texts = [t for t in prompt_texts for _ in range(k)]            # N = B*K, grouped
     device = next(model.parameters()).device
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -57,9 +60,11 @@ def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperat
     mask = completion_mask(completion_ids, tok.eos_token_id)        # (N, C)
     completion_ids = completion_ids.masked_fill(mask == 0, tok.pad_token_id)
     args = (enc["input_ids"], enc["attention_mask"], completion_ids, mask)
-    old_logp, _ = completion_logprobs(model, *args, temperature=temperature)      # (N, C)
+    old_logp, _, h = completion_logprobs(model, *args, temperature=temperature,
+                                         return_hidden=True)                      # (N, C)
+    old_values = value_head(h) if value_head is not None else None                # (N, C)
     ref_logp = completion_logprobs(ref_model, *args, temperature=temperature)[0] \
         if ref_model is not None else None                                        # (N, C)
     decoded = tok.batch_decode(completion_ids, skip_special_tokens=True)
     return Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
-                   old_logp, ref_logp, [d.strip() for d in decoded])
+                   old_logp, ref_logp, [d.strip() for d in decoded], old_values)

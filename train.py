@@ -53,11 +53,14 @@ import transformers
 import advantages
 import checkpoint
 import grpo
+import kl
 import monitor
 import plots
 import policy
+import ppo
 import rewards
 import rollout
+import schedules
 import workflow_task as task
 from config import Config, default_out, parse_config
 
@@ -91,60 +94,94 @@ def rates(classes: list) -> dict:
                 fallback_rate=share["fallback"], junk_rate=share["junk"])
 
 
-def evaluate(model, tok, eval_prompts: list, c: Config) -> tuple[dict, list]:
-    """Held-out rates from a fixed-seed sample; the training RNG is left untouched."""
+def evaluate(model, tok, eval_prompts: list, c: Config, value_head=None) -> tuple[dict, list]:
+    """Held-out rates from a fixed-seed sample; the training RNG is left untouched.
+
+    With a value head (PPO), also eval_value_rmse: the RMSE, over held-out policy tokens, of
+    V(s_t) against the return the critic is meant to predict (the outcome reward,
+    discounted by gamma, without the KL penalty)."""
     texts = [policy.format_prompt(tok, p["text"]) for p in eval_prompts]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(1234)
-        batch = rollout.sample(model, tok, texts, c.eval_samples, c.max_new_tokens, c.temperature)
-    _, classes = score(batch.texts, eval_prompts, c.eval_samples)
+        batch = rollout.sample(model, tok, texts, c.eval_samples, c.max_new_tokens, c.temperature,
+                               value_head=value_head)
+    rewards_, classes = score(batch.texts, eval_prompts, c.eval_samples)
     r = rates(classes)
-    return {"eval_best_rate": r["best_rate"], "eval_valid_rate": r["valid_rate"],
-            "eval_fallback_rate": r["fallback_rate"], "eval_junk_rate": r["junk_rate"]}, \
-        list(zip(batch.texts, classes))
+    out = {"eval_best_rate": r["best_rate"], "eval_valid_rate": r["valid_rate"],
+           "eval_fallback_rate": r["fallback_rate"], "eval_junk_rate": r["junk_rate"],
+           "eval_reward_mean": rewards_.mean().item()}
+    if value_head is not None:
+        m = batch.completion_mask
+        # lam = 1: A_t + V_t is the Monte-Carlo return, whatever V is.
+        adv, returns = advantages.gae(ppo.token_rewards(rewards_.to(m.device), m), batch.old_values,
+                                      m, c.gamma, 1.0)
+        out["eval_value_rmse"] = ((batch.old_values - returns)[m.bool()] ** 2).mean().sqrt().item()
+    return out, list(zip(batch.texts, classes))
 
 
-def grpo_step(c: Config, model, tok, optimizer, ref_model, prompts: list, amp, step: int):
-    """One GRPO step on B prompts: rollout -> reward -> advantage -> update.
+def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: list, amp,
+            step: int, beta: float, entropy_coef: float):
+    """One step on B prompts: rollout -> reward -> advantage -> update (GRPO or PPO).
 
     Returns the batch record, the completions' classes, the step's rollout metrics, and the
     update's statistics (all None when no update was taken)."""
     texts = [policy.format_prompt(tok, p["text"]) for p in prompts]
     with amp():
-        batch = rollout.sample(model, tok, texts, c.k, c.max_new_tokens, c.temperature, ref_model)
+        batch = rollout.sample(model, tok, texts, c.k, c.max_new_tokens, c.temperature,
+                               ref_model, value_head)
     batch.rewards, classes = score(batch.texts, prompts, c.k)                          # (N,)
-    stats = dict(loss=None, kl=None, entropy=None, clip_frac=None, grad_norm=None,
+    stats = dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
                  skipped_nonfinite=0, nonfinite=[])
+    mask = batch.completion_mask
+    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, c.kl_estimator) \
+        if batch.ref_logp is not None else None                                         # (N, C)
     finite = torch.isfinite(batch.rewards)                                             # (N,)
     if not finite.all():
         # A reward function returned NaN/inf: no update this step, and the bad values are
         # never averaged into any metric.
         stats.update(skipped_nonfinite=1, nonfinite=["reward"])
-        batch.advantages = torch.zeros_like(batch.rewards)
+        batch.advantages = torch.zeros(len(batch.rewards), device=mask.device)
+    elif c.algo == "grpo":
+        r = batch.rewards.to(mask.device)                                              # (N,)
+        if c.kl_in_reward and kl_t is not None:
+            r = r - beta * (kl_t * mask).sum(1)     # R_i - beta * sum_t kl_it
+        batch.advantages = advantages.compute(r.cpu(), c.k, c.norm, unbiased=c.unbiased,
+                                              clip=c.adv_clip or None).to(mask.device)  # (N,)
     else:
-        batch.advantages = advantages.compute(batch.rewards, c.k, c.norm, unbiased=c.unbiased,
-                                              clip=c.adv_clip or None)                 # (N,)
-    batch.advantages = batch.advantages.to(batch.old_logp.device)
+        ppo.prepare(batch, beta=beta, kl_estimator=c.kl_estimator,
+                    kl_in_reward=c.kl_in_reward, gamma=c.gamma, lam=c.lam)     # (N, C) each
+    a = batch.advantages[mask.bool()] if batch.advantages.dim() == 2 else batch.advantages
     r = batch.rewards[finite]
     row = dict(step=step, reward_mean=r.mean().item() if len(r) else None,
                reward_std=r.std(correction=0).item() if len(r) else None, **rates(classes),
                nonfinite_rewards=int((~finite).sum()),
                frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, c.k),
-               adv_abs_mean=batch.advantages.abs().mean().item(),
-               frac_adv_pm1=advantages.frac_pm1(batch.advantages), lr=c.lr)
+               adv_abs_mean=a.abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(a),
+               kl=(kl.estimate(batch.old_logp, batch.ref_logp, "k3") * mask).sum().item()
+               / mask.sum().item() if kl_t is not None else None, kl_coef=beta)
+    if c.algo == "ppo" and finite.all():
+        row["explained_variance"] = ppo.explained_variance(batch.old_values, batch.returns, mask)
 
-    no_signal = bool((batch.advantages == 0).all()) and c.beta == 0 and c.entropy_coef == 0
+    # GRPO without KL or entropy terms has nothing to learn from all-zero advantages (and
+    # AdamW's momentum would still move the weights); PPO always has its value loss.
+    no_signal = c.algo == "grpo" and bool((batch.advantages == 0).all()) and beta == 0 \
+        and entropy_coef == 0
     guard = c.skip_all_fallback and row["fallback_rate"] == 1.0
     if not (no_signal or guard or stats["nonfinite"]):
+        common = dict(epochs=c.epochs, mini_batch=c.mini_batch or c.n,
+                      micro_batch=c.micro_batch or c.mini_batch or c.n, clip_eps=c.clip_eps,
+                      clip_eps_high=c.clip_eps_high or c.clip_eps, beta=beta,
+                      kl_estimator=c.kl_estimator, kl_in_loss=not c.kl_in_reward,
+                      entropy_coef=entropy_coef, agg=c.loss_agg, max_len=c.max_new_tokens,
+                      max_grad_norm=c.max_grad_norm or float("inf"), temperature=c.temperature,
+                      seed=c.seed * 100003 + step, target_kl=c.target_kl)
         with amp():
-            stats = grpo.update(model, optimizer, batch, epochs=c.epochs,
-                                micro_batch=c.micro_batch or c.n, clip_eps=c.clip_eps,
-                                clip_eps_high=c.clip_eps_high or c.clip_eps, beta=c.beta,
-                                entropy_coef=c.entropy_coef, agg=c.loss_agg,
-                                max_len=c.max_new_tokens,
-                                max_grad_norm=c.max_grad_norm or float("inf"),
-                                temperature=c.temperature, seed=c.seed * 100003 + step)
+            if c.algo == "grpo":
+                stats = grpo.update(model, optimizer, batch, **common)
+            else:
+                stats = ppo.update(model, value_head, optimizer, batch, value_clip=c.value_clip,
+                                   vf_coef=c.vf_coef, **common)
     return batch, classes, row, stats
 
 
@@ -163,7 +200,10 @@ def train(c: Config) -> dict:
     model, tok = load(c, device, say)
     # The reference is the warm start, also when resuming: load() always returns it.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if c.beta > 0 else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=0.0)
+    value_head = ppo.ValueHead(model.config.hidden_size).to(device) if c.algo == "ppo" else None
+    params = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
+    optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0)
+    kl_control = kl.KLController(c.beta, c.kl_control, c.kl_target, c.kl_target_min, c.kl_target_max)
     # bf16 autocast on a GPU; the lesson code is the same on both.
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" \
         else contextlib.nullcontext
@@ -174,10 +214,13 @@ def train(c: Config) -> dict:
 
     # Everything a checkpoint holds besides the weights, the optimizer and the RNGs.
     state = dict(step=0, updates=0, collapses=0, skipped=0, prev=None,  # prev: (updated, valid_rate)
-                 first_eval=None, last_eval=None, monitor=None)
+                 first_eval=None, last_eval=None, monitor=None, kl_control=None, value_head=None)
     if c.resume:
         state = checkpoint.restore(Path(c.resume), model, optimizer, rng)
         watch.load_state_dict(state["monitor"])
+        kl_control.load_state_dict(state["kl_control"])
+        if value_head is not None:
+            value_head.load_state_dict(state["value_head"])
         for name in ("metrics.jsonl", "samples.jsonl"):
             checkpoint.truncate_log(out / name, state["step"])
         say(f"resumed from {c.resume} at step {state['step']}")
@@ -186,12 +229,13 @@ def train(c: Config) -> dict:
     samples = checkpoint.JsonlLog(out / "samples.jsonl", append=bool(c.resume))
 
     def save():
-        state["monitor"] = watch.state_dict()
+        state.update(monitor=watch.state_dict(), kl_control=kl_control.state_dict(),
+                     value_head=value_head.state_dict() if value_head is not None else None)
         return checkpoint.save(out, state["step"], model, tok, optimizer, state, rng)
 
     if state["first_eval"] is None:
         with amp():
-            state["first_eval"], eval_rows = evaluate(model, tok, eval_prompts, c)
+            state["first_eval"], eval_rows = evaluate(model, tok, eval_prompts, c, value_head)
         state["last_eval"] = state["first_eval"]
         metrics.write({"step": 0, **state["first_eval"]})   # before any update: evaluation only
         samples.write({"step": 0, "split": "eval", "samples": eval_rows})
@@ -204,7 +248,16 @@ def train(c: Config) -> dict:
         t0 = time.time()
         prompts = rng.sample(train_prompts, c.batch) if c.batch <= len(train_prompts) \
             else rng.choices(train_prompts, k=c.batch)
-        batch, classes, row, stats = grpo_step(c, model, tok, optimizer, ref_model, prompts, amp, step)
+        lr = schedules.lr_at(step, c.steps, c.lr, c.lr_schedule, c.min_lr, c.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        entropy_coef = schedules.linear(step, c.steps, c.entropy_coef,
+                                        c.entropy_coef if c.entropy_coef_end < 0 else c.entropy_coef_end)
+        batch, classes, row, stats = rl_step(c, model, value_head, tok, optimizer, ref_model, prompts,
+                                             amp, step, kl_control.beta, entropy_coef)
+        row.update(lr=lr, entropy_coef=entropy_coef)
+        if row["kl"] is not None:
+            kl_control.update(row["kl"])                  # beta for the next step
         updated = stats["loss"] is not None and stats["skipped_nonfinite"] < c.epochs
         prev = state["prev"]
         collapsed = bool(prev and prev[0] and prev[1] > 0 and row["valid_rate"] <= prev[1] / 2)
@@ -221,7 +274,7 @@ def train(c: Config) -> dict:
 
         if step % c.eval_every == 0 or step == c.steps:
             with amp():
-                state["last_eval"], eval_rows = evaluate(model, tok, eval_prompts, c)
+                state["last_eval"], eval_rows = evaluate(model, tok, eval_prompts, c, value_head)
             row.update(state["last_eval"])
             samples.write({"step": step, "split": "eval", "samples": eval_rows})
         row["seconds"] = time.time() - t0

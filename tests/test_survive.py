@@ -49,9 +49,9 @@ def poison_training_forward(monkeypatch, on_calls):
             if module.training:
                 calls["n"] += 1
                 if calls["n"] in on_calls:
-                    output.logits = output.logits * float("nan")
+                    return output * float("nan")
             return output
-        model.register_forward_hook(hook)
+        model.get_output_embeddings().register_forward_hook(hook)     # the LM head
         return model, tok
     monkeypatch.setattr(train, "load", load)
 

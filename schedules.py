@@ -1,0 +1,39 @@
+"""How a hyper-parameter changes over a run: learning rate and entropy-bonus schedules.
+
+Pure functions of the step, so a resumed run needs no scheduler state: step s of a resumed
+run gets exactly the value step s of an uninterrupted run got.
+
+    lr(s) = base * s / warmup                                   for s <= warmup
+            then, with p = (s - warmup) / (total - warmup) in [0, 1]:
+    constant   base
+    linear     min_lr + (base - min_lr) * (1 - p)
+    cosine     min_lr + (base - min_lr) * (1 + cos(pi * p)) / 2
+
+Report 000 recommends a linear or cosine decay; report 002 compares fixed and dynamic lr.
+The entropy bonus (report 000: beta_H in [0.001, 0.01], decayed) moves linearly from
+--entropy-coef to --entropy-coef-end over the run.
+"""
+import math
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_at(step: int, total: int, base: float, schedule: str = "constant",
+          min_lr: float = 0.0, warmup: int = 0) -> float:
+    """Learning rate of step `step` (1-based) of a run of `total` steps."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; expected one of {LR_SCHEDULES}")
+    if warmup > 0 and step <= warmup:
+        return base * step / warmup
+    if schedule == "constant":
+        return base
+    p = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    if schedule == "linear":
+        return min_lr + (base - min_lr) * (1 - p)
+    return min_lr + (base - min_lr) * (1 + math.cos(math.pi * p)) / 2
+
+
+def linear(step: int, total: int, start: float, end: float) -> float:
+    """start at step 1, end at step `total`, a straight line in between."""
+    p = (step - 1) / max(total - 1, 1)
+    return start + (end - start) * p
