@@ -14,6 +14,7 @@ import argparse
 import json
 import shlex
 import statistics
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -39,38 +40,48 @@ def spread(xs: list) -> str:
     return f"{statistics.mean(xs):.2f} ± {sd:.2f} [{min(xs):.2f}–{max(xs):.2f}]"
 
 
-def table(results: dict) -> str:
-    lines = ["| setting | held-out best (end) | held-out valid (end) | off-format runs | "
-             "crash rate | fallback / junk (end) | s per run |",
-             "|---|---|---|---|---|---|---|"]
+def table(results: dict, columns=()) -> str:
+    """Markdown: the standard columns, then one per extra summary key in `columns`."""
+    head = ["setting", "held-out best (end)", "held-out valid (end)", "off-format runs",
+            "crash rate", "fallback / junk (end)", *columns, "s per run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, runs in results.items():
+        extra = "".join(f" {spread([r[k] for r in runs])} |" for k in columns)
         lines.append(
             f"| `{name}` | {spread([r['eval_best_rate_end'] for r in runs])} "
             f"| {spread([r['eval_valid_rate_end'] for r in runs])} "
             f"| {sum(r['ended_off_format'] for r in runs)}/{len(runs)} "
             f"| {statistics.mean(r['crash_rate'] for r in runs):.2f} "
             f"| {statistics.mean(r['eval_fallback_rate_end'] for r in runs):.2f} / "
-            f"{statistics.mean(r['eval_junk_rate_end'] for r in runs):.2f} "
-            f"| {statistics.mean(r['seconds'] for r in runs):.0f} |")
+            f"{statistics.mean(r['eval_junk_rate_end'] for r in runs):.2f} |{extra}"
+            f" {statistics.mean(r['seconds'] for r in runs):.0f} |")
     return "\n".join(lines)
 
 
-def figure(results: dict, path: Path, title: str) -> None:
-    fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.4), sharey=True,
-                             squeeze=False)
-    for ax, (name, runs) in zip(axes[0], results.items()):
-        curves = []
-        for r in runs:
-            rows = [x for x in plots.read_metrics(r["out"]) if "eval_best_rate" in x]
-            steps = [x["step"] for x in rows]                 # step 0 is the warm start
-            ys = [x["eval_best_rate"] for x in rows]
-            ax.plot(steps, ys, color="C0", alpha=0.3, lw=1)
-            curves.append(ys)
-        mean = [statistics.mean(v) for v in zip(*curves)]
-        ax.plot(steps, mean, color="C0", lw=2.5, label=f"mean of {len(runs)} seeds")
-        ax.set(title=name, xlabel="step", ylim=(-0.03, 1.03))
-        ax.legend(fontsize=8, loc="lower right")
-    axes[0][0].set_ylabel("held-out best-workflow rate")
+def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -> None:
+    """A row per metric, a column per setting: a thin line per seed and their mean."""
+    fig, axes = plt.subplots(len(metrics), len(results), figsize=(4 * len(results), 3 * len(metrics)),
+                             sharey="row", squeeze=False)
+    for j, (name, runs) in enumerate(results.items()):
+        for i, key in enumerate(metrics):
+            ax, curves = axes[i][j], []
+            for r in runs:
+                rows = [x for x in plots.read_metrics(r["out"]) if x.get(key) is not None]
+                steps = [x["step"] for x in rows]             # step 0 is the warm start
+                ys = [x[key] for x in rows]
+                ax.plot(steps, ys, color=f"C{i}", alpha=0.3, lw=1)
+                curves.append(ys)
+            n = min(map(len, curves))                          # a stopped run is shorter
+            mean = [statistics.mean(col) for col in zip(*(ys[:n] for ys in curves))]
+            ax.plot(steps[:n], mean, color=f"C{i}", lw=2.5, label=f"mean of {len(runs)} seeds")
+            ax.set(xlabel="step" if i == len(metrics) - 1 else None)
+            if key in ("kl", "kl_coef"):
+                ax.set_yscale("log")
+            if i == 0:
+                ax.set_title("\n".join(textwrap.wrap(name, 42)), fontsize=8)
+            if j == 0:
+                ax.set_ylabel(key)
+            ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -83,6 +94,10 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=6)
     p.add_argument("--common", default="", help="flags shared by every setting")
     p.add_argument("--out", type=Path, default=Path("runs/compare"))
+    p.add_argument("--metrics", default="eval_best_rate",
+                   help="comma-separated metrics.jsonl keys to draw, a row each")
+    p.add_argument("--columns", default="",
+                   help="comma-separated extra summary.json keys for the table, e.g. eval_value_rmse_end")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
@@ -96,11 +111,13 @@ def main(argv=None):
         results[name] = run_setting(common + shlex.split(s), args.seeds, args.out / "runs" / slug)
         print(f"finished {name}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    text = table(results)
+    columns = [x for x in args.columns.split(",") if x]
+    text = table(results, columns)
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{text}")
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "summaries.json").write_text(json.dumps(results, indent=1))
-    figure(results, args.out / "compare.png", f"{args.seeds} seeds; common: {args.common or 'defaults'}")
+    figure(results, args.out / "compare.png", f"{args.seeds} seeds; common: {args.common or 'defaults'}",
+           args.metrics.split(","))
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 

@@ -39,8 +39,8 @@ class Config:
     unbiased: bool = opt(False, "Bessel-corrected std in the advantage (TRL/verl habit; K=2 -> ±0.71)")
     adv_clip: float = opt(0.0, "clamp advantages to [-c, c]; 0 = off")
     # the update
-    steps: int = opt(100, "training steps (one batch of rollouts each)")
-    lr: float = opt(2e-3, "AdamW learning rate (the tiny model needs a large one)")
+    steps: int = opt(150, "training steps (one batch of rollouts each)")
+    lr: float = opt(1e-3, "AdamW learning rate (the tiny model needs a large one)")
     clip_eps: float = opt(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
     clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)

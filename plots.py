@@ -108,11 +108,13 @@ def plot_run(run_dir: Path) -> Path:
     ax.set(xlabel="step", title="advantages")
     ax.legend(fontsize=7)
     ax = axes[2]
-    for key in ["entropy", "kl", "clip_frac", "grad_norm"]:
+    for key in ["entropy", "kl", "kl_coef", "clip_frac", "grad_norm", "value_loss"]:
         ax.plot(*series(key), label=key)
     ax.set(xlabel="step", yscale="symlog", title="update")
     ax.legend(fontsize=7)
-    fig.suptitle(f"GRPO  K={cfg['k']}  B={cfg['batch']}  norm={cfg['norm']}  lr={cfg['lr']:g}  "
+    algo = cfg.get("algo", "grpo")
+    norm = f"norm={cfg['norm']}  " if algo == "grpo" else ""
+    fig.suptitle(f"{algo.upper()}  K={cfg['k']}  B={cfg['batch']}  {norm}lr={cfg['lr']:g}  "
                  f"seed={cfg['seed']}  ({len(steps)} steps)")
     fig.tight_layout()
     path = run_dir / "curves.png"

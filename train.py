@@ -1,14 +1,15 @@
-"""Train a policy with GRPO on the workflow-DSL task of report 001.
+"""Train a policy with GRPO or PPO on the workflow-DSL task of report 001.
 
-    python train.py --k 8 --norm global            # learns: held-out best rate ~0.2 -> >0.9
+    python train.py --k 8 --norm global            # GRPO learns: held-out best rate ~0.14 -> ~0.99
     python train.py --k 2 --batch 3 --norm group   # report 001's setting, for contrast
+    python train.py --algo ppo                     # PPO: a value head, GAE, the same task
     python train.py --help                         # every flag, with its meaning
 
 Each step: sample B prompts -> generate K completions each (rollout.py) -> score them
-(rewards.py) -> advantages (advantages.py) -> one clipped-surrogate update (grpo.py) ->
-one line of metrics.jsonl. The run's folder (--out) holds config.json, metrics.jsonl,
-samples.jsonl, summary.json, curves.png and, with --save-every, checkpoints/ (checkpoint.py;
-`--resume RUN` continues from the newest).
+(rewards.py) -> advantages (advantages.py for GRPO; a critic and GAE in ppo.py for PPO) ->
+a clipped-surrogate update (grpo.py / ppo.py) -> one line of metrics.jsonl. The run's folder
+(--out) holds config.json, metrics.jsonl, samples.jsonl, summary.json, curves.png and, with
+--save-every, checkpoints/ (checkpoint.py; `--resume RUN` continues from the newest).
 
 Metrics, one JSON object per step (N = B*K rollouts of that step):
     reward_mean, reward_std   mean and population std of the N rewards
@@ -17,10 +18,16 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     fallback_rate, junk_rate  share of `### Step` text / of anything else off-format
     frac_zero_std_groups      share of prompts whose K rewards are all equal (no signal)
     adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark)
-    loss, kl, entropy, clip_frac, grad_norm   from grpo.update (null when no update; kl
-                              null without a reference model, i.e. --beta 0);
-                              kl and entropy are token means, grad_norm is before clipping
-    lr                        the learning rate of the step
+    loss, entropy, clip_frac, approx_kl, grad_norm   from the update (null when none was
+                              taken): token means over the last epoch; approx_kl =
+                              E[(ratio - 1) - log ratio]; grad_norm is before clipping
+    epochs_run                epochs actually run (fewer when --target-kl stopped them)
+    value_loss, explained_variance   PPO: the critic's loss and 1 - Var(G - V) / Var(G)
+                              on the rollouts (undefined, and wild, when every return is equal)
+    kl, kl_coef               token-mean k3 estimate of KL(policy || reference) on the step's
+                              rollouts, before the update (null without a reference); the
+                              beta used this step (kl.py moves it from kl)
+    lr, entropy_coef          the step's learning rate and entropy bonus (schedules.py)
     updated                   an optimizer step was taken: false when every advantage is 0
                               (nothing to learn, and AdamW's momentum would still move the
                               weights), when --skip-all-fallback fires, or when the step was
@@ -32,10 +39,11 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     collapsed_after_update    the previous step updated, its valid rate was > 0, and this
                               step's valid rate is at most half of it (report 001: "50% ->
                               0% right after the update"). crash_rate = collapses / updates.
-    eval_best_rate, eval_valid_rate   at step 0 (a line of its own) and every --eval-every
-                              steps: one sample at the training temperature for each of
-                              --eval-samples x 32 held-out prompts, drawn with a fixed seed
-                              so every evaluation sees the same noise
+    eval_best_rate, eval_valid_rate, eval_reward_mean   at step 0 (a line of its own) and
+                              every --eval-every steps: one sample at the training
+                              temperature for each of --eval-samples x 32 held-out prompts,
+                              drawn with a fixed seed so every evaluation sees the same noise
+    eval_value_rmse           PPO: RMSE of V(s_t) against the held-out returns
     seconds                   wall time of the step
 """
 import contextlib
@@ -279,9 +287,13 @@ def train(c: Config) -> dict:
             samples.write({"step": step, "split": "eval", "samples": eval_rows})
         row["seconds"] = time.time() - t0
         metrics.write(row)
+        adv = batch.advantages                                 # (N,), or (N, C) for PPO:
+        if adv.dim() == 2:                                     # then its mean over the sequence
+            m = batch.completion_mask
+            adv = (adv * m).sum(1) / m.sum(1).clamp_min(1)
         samples.write({"step": step, "split": "train", "samples": [
             dict(prompt=prompts[i // c.k]["text"], text=batch.texts[i], cls=classes[i],
-                 reward=batch.rewards[i].item(), advantage=batch.advantages[i].item())
+                 reward=batch.rewards[i].item(), advantage=adv[i].item())
             for i in range(min(c.log_samples, c.n))]})
         progress(c, row, state["last_eval"])
 
@@ -325,6 +337,8 @@ def finish(c: Config, out: Path, state: dict, watch, stopped, seconds: float, sa
                    eval_fallback_rate_end=last["eval_fallback_rate"],
                    eval_junk_rate_end=last["eval_junk_rate"],
                    ended_off_format=last["eval_valid_rate"] < 0.5,
+                   eval_reward_mean_end=last["eval_reward_mean"],
+                   eval_value_rmse_end=last.get("eval_value_rmse"),
                    seconds=round(seconds, 1), out=str(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plots.plot_run(out)
