@@ -89,3 +89,78 @@ def classify(completion: str, best: str) -> str:
 def dsl_reward(completion: str, best: str) -> float:
     """Report 001's reward: 1.0 best workflow, 0.2 other valid DSL, 0 off-format."""
     return DSL_REWARD[classify(completion, best)]
+
+
+# ---- the tool-calling task (report 000, tool_env.py) ----
+# Each function takes an episode: the list of `info` dicts that ToolEnv.step returned, one
+# per turn. All of them are pure, finite, and within the range their docstring states.
+
+# Per-kind penalties (report 000, section 2.4: "not one flat -1 for every failure").
+# -0.5 for the failures of a call (the report's value); garbage and silence cost more,
+# an empty result (the tool's fault as much as the policy's) less. The values besides
+# -0.5 are our choice.
+FAILURE_PENALTY = {"malformed_json": -0.5, "unknown_tool": -0.5, "bad_arguments": -0.5,
+                   "empty_result": -0.1, "turn_limit": -0.5, "no_action": -1.0,
+                   "too_long": -1.0, "degenerate": -1.0}
+
+
+def answered_correctly(episode: list) -> bool:
+    return any(t.get("answered") and t.get("correct") for t in episode)
+
+
+def sparse_reward(episode: list) -> float:
+    """The reward that failed in report 000: +1 for a correct final answer, -1 otherwise.
+    Range [-1, 1]. Most early episodes get -1, so most advantages are negative."""
+    return 1.0 if answered_correctly(episode) else -1.0
+
+
+def shaped_reward(episode: list, process: bool = True, clip: float | None = None) -> float:
+    """Report 000's hierarchical reward, section 2.1, with per-kind penalties (2.4):
+
+        R = 0.5 * (tools called correctly, each counted once) + 1.0 * [correct answer]
+          + 0.1 * [no turn failed]  + sum of FAILURE_PENALTY over the turns' failures
+          + sum of the tool's own process rewards (0.1 per successful call) if `process`
+
+    process=False reproduces report 000's bug: the tool's process reward never reached the
+    total. Range [-turns, 2.1 + 0.1 * turns] (two tools) before the optional clamp to
+    [-clip, clip].
+    """
+    # Each tool counts once: repeating a good lookup every turn earns nothing more.
+    tools = {t["tool"] for t in episode if t.get("correct_call")}
+    r = 0.5 * len(tools) + 1.0 * answered_correctly(episode)
+    failures = [t["failure"] for t in episode if t.get("failure")]
+    r += 0.1 * (not failures) + sum(FAILURE_PENALTY[f] for f in failures)
+    if process:
+        r += sum(t.get("process_reward", 0.0) for t in episode)
+    return max(-clip, min(clip, r)) if clip else r
+
+
+def format_reward(episode: list, texts: list) -> float:
+    """Partial credit along think -> tool_call -> tool_response -> answer (report 000, 2.1):
+    a quarter for each stage reached, in order, over the episode's turns. Range [0, 1].
+    texts: the policy's turns, as given to ToolEnv.step."""
+    stages = 0
+    joined = "\n".join(t if isinstance(t, str) else "" for t in texts)
+    if re.search(r"<think>.*?</think>", joined, re.DOTALL):
+        stages = 1
+        if any(t.get("tool") for t in episode):
+            stages = 2
+            if any(t.get("tool_success") for t in episode):
+                stages = 3
+                if any(t.get("answered") for t in episode):
+                    stages = 4
+    return stages / 4
+
+
+def weighted_sum(terms: dict, weights: dict) -> float:
+    """A composite reward: sum_k weights[k] * terms[k] (every term weighted, none missed)."""
+    if set(terms) != set(weights):
+        raise ValueError(f"terms {sorted(terms)} and weights {sorted(weights)} differ")
+    return float(sum(weights[k] * terms[k] for k in terms))
+
+
+def report_003_reward(hard: float, soft: float, rel: float) -> float:
+    """Report 003's selector reward: 2.0 * hard + 1.0 * soft + 0.1 * (1 - hard) * rel,
+    written as a weighted sum (hard, soft, rel in [0, 1]; range [0, 3])."""
+    return weighted_sum({"hard": hard, "soft": soft, "rel_if_wrong": (1 - hard) * rel},
+                        {"hard": 2.0, "soft": 1.0, "rel_if_wrong": 0.1})

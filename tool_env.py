@@ -1,0 +1,152 @@
+"""A multi-turn tool-calling environment in the spirit of report 000 (OS tuning with tools).
+
+The task: which kernel setting does a benchmark depend on, and what value does the
+knowledge base recommend? The answer is not in the prompt; only the tools know it.
+
+    env = ToolEnv()
+    prompt = env.reset(seed=0)
+    observation, done, info = env.step(policy_text)      # one policy turn
+
+A policy turn is `<think>...</think>` followed by either
+    <tool_call>{"name": "query_knowledge_base", "arguments": {"topic": "memory"}}</tool_call>
+which the environment answers with `<tool_response>...</tool_response>` (the observation,
+appended to the context by the caller), or
+    <answer>vm.swappiness=10</answer>
+which ends the episode. After --max-turns turns without an answer the episode ends too.
+
+Every way a turn can fail is a named kind returned in info["failure"], never an exception:
+FAILURES below. Model output is parsed with json.loads and matched against plain dicts;
+nothing in it is ever evaluated or executed. A generation should stop at STOP_STRINGS, so
+the environment can answer before the policy goes on.
+
+info per turn: failure (a kind or None), tool (the tool called, or None), tool_success,
+correct_call (the call asked about this episode's benchmark or setting), process_reward
+(the tool's own 0.1 for a successful call: report 000 lost it; rewards.py adds it),
+answered, correct (the answer, when there is one), turn.
+"""
+import json
+import random
+import re
+
+# benchmark -> (the setting it depends on, the value the knowledge base recommends)
+KNOWLEDGE_BASE = {
+    "cpu": ("kernel.sched_migration_cost_ns", "5000000"),
+    "fileio": ("vm.dirty_ratio", "40"),
+    "memory": ("vm.swappiness", "10"),
+    "network": ("net.core.somaxconn", "4096"),
+    "threads": ("kernel.sched_min_granularity_ns", "10000000"),
+    "mutex": ("kernel.sched_wakeup_granularity_ns", "15000000"),
+}
+TOOLS = {   # name -> {argument: type}, the JSON schema of each tool, flattened
+    "query_knowledge_base": {"topic": str},
+    "analyze_config_impact": {"param": str, "value": str},
+}
+FAILURES = ("malformed_json", "unknown_tool", "bad_arguments", "empty_result", "no_action",
+            "too_long", "degenerate", "turn_limit")
+STOP_STRINGS = ("</tool_call>", "</answer>")
+MAX_TURN_CHARS = 2000          # a longer turn is "too_long"
+MAX_JSON_CHARS = 1000
+
+_TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.DOTALL)
+        for name in ("think", "tool_call", "answer")}
+# The same character 8+ times ("!!!!!!!!") or the same word 6+ times in a row.
+_DEGENERATE = re.compile(r"(\S)\1{7,}|\b(\w+)(?:\s+\2\b){5,}")
+
+
+def run_tool(name: str, args: dict) -> str:
+    """The tools: plain lookups in KNOWLEDGE_BASE. '' means an empty result."""
+    if name == "query_knowledge_base":
+        hit = KNOWLEDGE_BASE.get(args["topic"].strip().lower())
+        return f"{args['topic']} performance depends on {hit[0]}; recommended value {hit[1]}" if hit else ""
+    settings = {param: value for param, value in KNOWLEDGE_BASE.values()}
+    if args["param"] not in settings:
+        return ""
+    verdict = "recommended" if args["value"].strip() == settings[args["param"]] else "not recommended"
+    return f"{args['param']}={args['value']} is {verdict}; recommended value {settings[args['param']]}"
+
+
+def parse_call(text: str) -> tuple[str | None, str | None, dict | None]:
+    """(failure, tool name, arguments) of the first <tool_call> in text."""
+    body = _TAG["tool_call"].search(text).group(1).strip()
+    if len(body) > MAX_JSON_CHARS:
+        return "malformed_json", None, None
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):
+        return "malformed_json", None, None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return "malformed_json", None, None
+    if call["name"] not in TOOLS:
+        return "unknown_tool", call["name"], None
+    args = call.get("arguments")
+    schema = TOOLS[call["name"]]
+    if not isinstance(args, dict) or set(args) != set(schema) or \
+            not all(isinstance(args[k], t) for k, t in schema.items()):
+        return "bad_arguments", call["name"], None
+    return None, call["name"], args
+
+
+class ToolEnv:
+    def __init__(self, max_turns: int = 3, benchmarks=tuple(KNOWLEDGE_BASE)):
+        self.max_turns, self.benchmarks = max_turns, benchmarks
+        self.benchmark, self.turn, self.done = None, 0, True
+        self.counts = {kind: 0 for kind in FAILURES}    # failures per kind since the last reset_counts
+        self.counts.update(tool_calls=0, tool_successes=0)
+
+    def reset(self, seed: int | None = None) -> str:
+        self.benchmark = random.Random(seed).choice(self.benchmarks)
+        self.turn, self.done = 0, False
+        return (f"Which kernel setting does the {self.benchmark} benchmark depend on, and what "
+                f"value is recommended? Use the tools, then answer as <answer>setting=value</answer>.")
+
+    def reset_counts(self) -> None:
+        self.counts = {k: 0 for k in self.counts}
+
+    def step(self, text: str) -> tuple[str, bool, dict]:
+        """One policy turn -> (observation to append, episode done, info)."""
+        if self.done:
+            raise RuntimeError("step() after the episode ended: call reset() first")
+        self.turn += 1
+        info = dict(failure=None, tool=None, tool_success=False, correct_call=False,
+                    process_reward=0.0, answered=False, correct=None, turn=self.turn)
+        observation = ""
+        text = text if isinstance(text, str) else ""
+        if len(text) > MAX_TURN_CHARS:
+            info["failure"] = "too_long"
+        elif _DEGENERATE.search(text):
+            info["failure"] = "degenerate"
+        elif _TAG["answer"].search(text):
+            given = _TAG["answer"].search(text).group(1).strip().replace(" ", "")
+            param, value = KNOWLEDGE_BASE[self.benchmark]
+            info.update(answered=True, correct=given == f"{param}={value}")
+            self.done = True
+        elif _TAG["tool_call"].search(text):
+            failure, name, args = parse_call(text)
+            info.update(failure=failure, tool=name)
+            self.counts["tool_calls"] += 1
+            if failure is None:
+                result = run_tool(name, args)
+                if result:
+                    info.update(tool_success=True, process_reward=0.1,
+                                correct_call=self._relevant(name, args))
+                    self.counts["tool_successes"] += 1
+                    observation = f"<tool_response>{result}</tool_response>"
+                else:
+                    info["failure"] = "empty_result"
+                    observation = "<tool_response></tool_response>"
+        else:
+            info["failure"] = "no_action"
+        if info["failure"]:
+            self.counts[info["failure"]] += 1
+        if not self.done and self.turn >= self.max_turns:
+            self.done = True
+            if info["failure"] is None:       # the last turn itself went fine: the limit failed
+                info["failure"] = "turn_limit"
+                self.counts["turn_limit"] += 1
+        return observation, self.done, info
+
+    def _relevant(self, name: str, args: dict) -> bool:
+        param, _ = KNOWLEDGE_BASE[self.benchmark]
+        if name == "query_knowledge_base":
+            return args["topic"].strip().lower() == self.benchmark
+        return args["param"] == param
