@@ -197,7 +197,8 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def parse_config(argv=None) -> Config:
     """The CLI, built from Config's fields: --field-name with the field's help."""
-    parser = _OneLineParser(description=__doc__.split("\n\n")[0] + " Flags:",
+    parser = _OneLineParser(description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
+                                        "task; each flag is a field of config.Config.",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
