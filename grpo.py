@@ -97,12 +97,13 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")
 def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, max_len: int):
     """Reduce a per-token loss (n, C) to a scalar.
 
-    token-mean           sum_it loss_it / (tokens in the whole batch)         (DAPO, TRL)
-    seq-mean-token-mean  sum_i (sum_t loss_it / len_i) / (sequences in batch)  (original GRPO)
+    token-mean           sum_it loss_it / (tokens in the mini-batch)          (DAPO, TRL)
+    seq-mean-token-mean  sum_i (sum_t loss_it / len_i) / (sequences in it)     (original GRPO)
     constant             sum_it loss_it / (sequences * max_len)                (Dr. GRPO)
 
-    The denominators are those of the *whole* batch, so the losses of its micro-batches
-    add up to the full-batch loss exactly: gradient accumulation then reproduces the
+    The denominators are those of the whole mini-batch (one optimizer step's worth; the
+    whole batch by default), not of the micro-batch being computed, so the micro-batch
+    losses add up to the mini-batch loss exactly: gradient accumulation then reproduces the
     big-batch gradient (for equal micro-batches this is 'divide each micro-batch mean by
     the number of micro-batches').
     """
@@ -118,10 +119,11 @@ def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, ma
 
 # ---- the update loop, shared with ppo.py ----
 
-def optimize(params: list, optimizer, n: int, loss_fn, *, epochs: int, mini_batch: int,
+def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch: int,
              micro_batch: int, max_grad_norm: float, seed: int, target_kl: float = 0.0) -> dict:
-    """`epochs` passes over n sequences in shuffled mini-batches: one optimizer step per
-    mini-batch, its gradient accumulated over micro-batches.
+    """`epochs` passes over the batch's sequences in shuffled mini-batches: one optimizer step
+    per mini-batch, its gradient accumulated over micro-batches. mask: the batch's (N, C)
+    completion mask, which counts each mini-batch's policy tokens.
 
     loss_fn(idx, mb_seqs, mb_tokens) -> (loss, sums) for the sequences idx of a mini-batch of
     mb_seqs sequences and mb_tokens policy tokens: a scalar already normalised by those
@@ -129,10 +131,11 @@ def optimize(params: list, optimizer, n: int, loss_fn, *, epochs: int, mini_batc
     and per-token sums for the metrics ('approx_kl' among them).
     Guard: a NaN/inf loss or gradient norm skips that optimizer step (weights and optimizer
     state untouched); params are every parameter the optimizer updates, the norm is theirs.
-    Early stop (CleanRL): after an epoch whose token-mean approx_kl
-    exceeds target_kl (> 0), no further epochs. Returns the last epoch's token means, plus
+    Early stop (CleanRL): after an epoch whose token-mean approx_kl exceeds target_kl (> 0),
+    no further epochs. Returns the last epoch's token means, plus
     loss, grad_norm, skipped_nonfinite, nonfinite (which quantity), epochs_run.
     """
+    n = mask.shape[0]
     gen = torch.Generator().manual_seed(seed)
     skipped, nonfinite, epochs_run = 0, [], 0
     for _ in range(epochs):
@@ -141,7 +144,7 @@ def optimize(params: list, optimizer, n: int, loss_fn, *, epochs: int, mini_batc
         sums, tokens, losses = {}, 0, []
         for mb_start in range(0, n, mini_batch):
             mb = order[mb_start:mb_start + mini_batch]
-            mb_tokens = int(loss_fn.tokens(mb))
+            mb_tokens = int(mask[mb].sum().clamp_min(1))
             optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
             for start in range(0, len(mb), micro_batch):
@@ -202,10 +205,9 @@ def update(model, optimizer, batch, *, epochs: int, mini_batch: int, micro_batch
         return loss, dict(entropy=(ent.detach() * mask).sum().item(),
                           clipped=(clipped.float() * mask).sum().item(),
                           approx_kl=(((log_ratio.exp() - 1) - log_ratio) * mask).sum().item())
-    loss_fn.tokens = lambda idx: batch.completion_mask[idx].sum().clamp_min(1)
 
     model.train()
-    out = optimize(list(model.parameters()), optimizer, batch.completion_ids.shape[0], loss_fn,
+    out = optimize(list(model.parameters()), optimizer, batch.completion_mask, loss_fn,
                    epochs=epochs, mini_batch=mini_batch, micro_batch=micro_batch,
                    max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl)
     out["clip_frac"] = out.pop("clipped")

@@ -119,11 +119,10 @@ def update(model, value_head, optimizer, batch, *, epochs: int, mini_batch: int,
                           clipped=(clipped.float() * mask).sum().item(),
                           value_loss=(v_loss.detach() * mask).sum().item(),
                           approx_kl=(((log_ratio.exp() - 1) - log_ratio) * mask).sum().item())
-    loss_fn.tokens = lambda idx: batch.completion_mask[idx].sum().clamp_min(1)
 
     model.train()
     params = list(model.parameters()) + list(value_head.parameters())
-    out = grpo.optimize(params, optimizer, batch.completion_ids.shape[0], loss_fn,
+    out = grpo.optimize(params, optimizer, batch.completion_mask, loss_fn,
                         epochs=epochs, mini_batch=mini_batch, micro_batch=micro_batch,
                         max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl)
     out["clip_frac"] = out.pop("clipped")

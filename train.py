@@ -142,8 +142,7 @@ def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: li
     stats = dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
                  skipped_nonfinite=0, nonfinite=[])
     mask = batch.completion_mask
-    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, c.kl_estimator) \
-        if batch.ref_logp is not None else None                                         # (N, C)
+    has_ref = batch.ref_logp is not None
     finite = torch.isfinite(batch.rewards)                                             # (N,)
     if not finite.all():
         # A reward function returned NaN/inf: no update this step, and the bad values are
@@ -151,10 +150,12 @@ def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: li
         stats.update(skipped_nonfinite=1, nonfinite=["reward"])
         batch.advantages = torch.zeros(len(batch.rewards), device=mask.device)
     elif c.algo == "grpo":
-        r = batch.rewards.to(mask.device)                                              # (N,)
-        if c.kl_in_reward and kl_t is not None:
-            r = r - beta * (kl_t * mask).sum(1)     # R_i - beta * sum_t kl_it
-        batch.advantages = advantages.compute(r.cpu(), c.k, c.norm, unbiased=c.unbiased,
+        r = batch.rewards                                                              # (N,)
+        if c.kl_in_reward and has_ref:
+            # R_i - beta * sum_t kl_it: the KL penalty folded into the sequence reward
+            kl_t = kl.estimate(batch.old_logp, batch.ref_logp, c.kl_estimator)       # (N, C)
+            r = r - beta * (kl_t * mask).sum(1).cpu()
+        batch.advantages = advantages.compute(r, c.k, c.norm, unbiased=c.unbiased,
                                               clip=c.adv_clip or None).to(mask.device)  # (N,)
     else:
         ppo.prepare(batch, beta=beta, kl_estimator=c.kl_estimator,
@@ -167,7 +168,7 @@ def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: li
                frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, c.k),
                adv_abs_mean=a.abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(a),
                kl=(kl.estimate(batch.old_logp, batch.ref_logp, "k3") * mask).sum().item()
-               / mask.sum().item() if kl_t is not None else None, kl_coef=beta)
+               / mask.sum().item() if has_ref else None, kl_coef=beta)
     if c.algo == "ppo" and finite.all():
         row["explained_variance"] = ppo.explained_variance(batch.old_values, batch.returns, mask)
 
