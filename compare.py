@@ -40,21 +40,33 @@ def spread(xs: list) -> str:
     return f"{statistics.mean(xs):.2f} ± {sd:.2f} [{min(xs):.2f}–{max(xs):.2f}]"
 
 
+# The standard columns per task: (header, summary key) with the spread over seeds.
+STANDARD = {
+    "dsl": [("held-out best (end)", "eval_best_rate_end"), ("held-out valid (end)", "eval_valid_rate_end")],
+    "tools": [("held-out accuracy (end)", "eval_accuracy_end"),
+              ("held-out tool success (end)", "eval_tool_success_rate_end"),
+              ("held-out tool calls / episode (end)", "eval_tool_calls_end"),
+              ("held-out reward (end)", "eval_reward_mean_end"),
+              ("share A < 0 (run mean)", "frac_adv_negative_mean")],
+}
+
+
 def table(results: dict, columns=()) -> str:
-    """Markdown: the standard columns, then one per extra summary key in `columns`."""
-    head = ["setting", "held-out best (end)", "held-out valid (end)", "off-format runs",
-            "crash rate", "fallback / junk (end)", *columns, "s per run"]
+    """Markdown: the task's standard columns, then one per extra summary key in `columns`."""
+    task = "dsl" if "eval_best_rate_end" in next(iter(results.values()))[0] else "tools"
+    cols = STANDARD[task] + [(k, k) for k in columns]
+    tail = ["off-format runs", "crash rate", "fallback / junk (end)"] if task == "dsl" else []
+    head = ["setting", *[h for h, _ in cols], *tail, "s per run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, runs in results.items():
-        extra = "".join(f" {spread([r[k] for r in runs])} |" for k in columns)
-        lines.append(
-            f"| `{name}` | {spread([r['eval_best_rate_end'] for r in runs])} "
-            f"| {spread([r['eval_valid_rate_end'] for r in runs])} "
-            f"| {sum(r['ended_off_format'] for r in runs)}/{len(runs)} "
-            f"| {statistics.mean(r['crash_rate'] for r in runs):.2f} "
-            f"| {statistics.mean(r['eval_fallback_rate_end'] for r in runs):.2f} / "
-            f"{statistics.mean(r['eval_junk_rate_end'] for r in runs):.2f} |{extra}"
-            f" {statistics.mean(r['seconds'] for r in runs):.0f} |")
+        cells = [f"`{name}`", *[spread([r[k] for r in runs]) for _, k in cols]]
+        if task == "dsl":
+            cells += [f"{sum(r['ended_off_format'] for r in runs)}/{len(runs)}",
+                      f"{statistics.mean(r['crash_rate'] for r in runs):.2f}",
+                      f"{statistics.mean(r['eval_fallback_rate_end'] for r in runs):.2f} / "
+                      f"{statistics.mean(r['eval_junk_rate_end'] for r in runs):.2f}"]
+        cells.append(f"{statistics.mean(r['seconds'] for r in runs):.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -31,6 +31,13 @@ def opt(default, help, **kw):
 
 @dataclass
 class Config:
+    task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tool_task.py)",
+                    choices=("dsl", "tools"))
+    reward: str = opt("shaped", "tools task: sparse +-1, report 000's shaped reward, or the format reward",
+                      choices=("sparse", "shaped", "format"))
+    reward_clip: float = opt(0.0, "tools task: clamp the shaped reward to [-c, c]; 0 = off")
+    drop_process_reward: bool = opt(False, "tools task: leave the tool's process reward out (report 000's bug)")
+    max_turns: int = opt(3, "tools task: policy turns per episode (--max-new-tokens each)")
     algo: str = opt("grpo", "the algorithm: GRPO (no critic) or PPO (value head + GAE)", choices=("grpo", "ppo"))
     # the batch
     k: int = opt(8, "samples per prompt (K); group norms need K >= 2")
@@ -54,6 +61,9 @@ class Config:
     micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation); 0 = the whole mini-batch")
     target_kl: float = opt(0.0, "stop an update's epochs once approx_kl passes this (CleanRL); 0 = off")
     max_grad_norm: float = opt(1.0, "clip the global gradient norm; 0 = off")
+    fast: bool = opt(False, "the fast path: old log-probs from the update's own forward (GRPO, one update "
+                            "per batch), micro-batches sorted by length and cut to their longest sequence")
+    compile: bool = opt(False, "CUDA: generate with a static KV cache that torch.compile specialises on")
     # KL to the reference (kl.py)
     beta: float = opt(0.0, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
                       aliases=("--kl-coef",))
@@ -108,6 +118,13 @@ class Config:
     def kl_in_reward(self) -> bool:
         return self.kl_in == "reward" or (self.kl_in == "auto" and self.algo == "ppo")
 
+    @property
+    def reuse_old_logp(self) -> bool:
+        """--fast and one GRPO update per batch: the policy that sampled is the policy of the
+        update's forward, so old log-probs are that forward's, detached (TRL does the same)."""
+        return (self.fast and self.algo == "grpo" and self.epochs == 1
+                and self.mini_batch in (0, self.n) and not self.kl_in_reward)
+
 
 class ConfigError(ValueError):
     pass
@@ -151,6 +168,8 @@ def validate(c: Config) -> Config:
     need(0 <= c.lam <= 1, "lam", f"must be in [0, 1], got {c.lam}")
     need(c.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {c.max_grad_norm}")
     need(c.temperature > 0, "temperature", f"must be > 0, got {c.temperature}")
+    need(c.max_turns >= 1, "max-turns", f"must be >= 1, got {c.max_turns}")
+    need(c.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {c.reward_clip}")
     need(c.max_new_tokens >= 1, "max-new-tokens", f"must be >= 1, got {c.max_new_tokens}")
     need(c.eval_every >= 1, "eval-every", f"must be >= 1, got {c.eval_every}")
     need(c.eval_samples >= 1, "eval-samples", f"must be >= 1, got {c.eval_samples}")
@@ -164,6 +183,8 @@ def validate(c: Config) -> Config:
     need(c.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {c.alert_reward_range}")
     need(c.alert_window >= 2, "alert-window", f"must be >= 2, got {c.alert_window}")
     need(c.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
+    need(not c.compile or (c.device != "cpu" and torch.cuda.is_available()), "compile",
+         "needs a GPU (--device auto or cuda, with CUDA visible)")
     if c.model:
         path = Path(c.model)
         need(path.is_dir() and (path / "config.json").is_file(), "model",
@@ -179,9 +200,10 @@ def validate(c: Config) -> Config:
 
 
 def default_out(c: Config) -> str:
+    task = f"tools_{c.reward}_" if c.task == "tools" else ""
     if c.algo == "ppo":
-        return f"runs/ppo_k{c.k}_b{c.batch}_lr{c.lr:g}_s{c.seed}"
-    return f"runs/k{c.k}_b{c.batch}_{c.norm}_lr{c.lr:g}_s{c.seed}"
+        return f"runs/{task}ppo_k{c.k}_b{c.batch}_lr{c.lr:g}_s{c.seed}"
+    return f"runs/{task}k{c.k}_b{c.batch}_{c.norm}_lr{c.lr:g}_s{c.seed}"
 
 
 def fail(message: str):
@@ -198,7 +220,8 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_config(argv=None) -> Config:
     """The CLI, built from Config's fields: --field-name with the field's help."""
     parser = _OneLineParser(description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
-                                        "task; each flag is a field of config.Config.",
+                                        "task or report 000's tool-calling task; each flag is a "
+                                        "field of config.Config.",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]

@@ -2,7 +2,9 @@
 
 Shapes: N sequences in the batch (B prompts x K samples), n in a micro-batch, P prompt
 tokens, C completion tokens, V vocabulary. mask (n, C) is 1 on a token the policy chose
-and is trained on, its sampled end-of-sequence token included, and 0 on padding.
+and is trained on, its sampled end-of-sequence token included, and 0 on padding and on
+tokens an environment inserted (attended to, through the batch's attention(), but never
+trained on: rollout.py).
 
 Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
 
@@ -27,14 +29,31 @@ import kl
 
 # ---- log-probabilities ----
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[ids] without materialising the (n, C, V) log-softmax.
+# Rows of logits handled at once: with a large vocabulary (Qwen's 151,936) the (n, C, V)
+# float32 logits of a whole batch are gigabytes, so the head and the log-softmax run on a
+# few rows at a time. A small vocabulary fits in one chunk, and then nothing changes.
+# (`python bench.py logprobs` measures the memory this saves.)
+LOGITS_CHUNK_ELEMENTS = 2 ** 27
 
-    logits: (n, C, V), ids: (n, C) -> (n, C).
-    log p(x) = logit_x - logsumexp(logits): one gather and one reduction.
+
+def rows_per_chunk(c_len: int, vocab: int) -> int:
+    return max(1, LOGITS_CHUNK_ELEMENTS // max(1, c_len * vocab))
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[ids] in float32 without materialising the (n, C, V) log-softmax.
+
+    logits: (n, C, V), any float dtype; ids: (n, C) -> (n, C) float32.
+    log p(x) = logit_x - logsumexp(logits): one gather and one reduction, over a few rows
+    at a time, so the extra memory is one chunk of rows, not another (n, C, V) tensor.
     """
-    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)      # (n, C)
-    return picked - torch.logsumexp(logits, dim=-1)                # (n, C)
+    step = rows_per_chunk(logits.shape[1], logits.shape[2])
+    out = []
+    for i in range(0, len(logits), step):
+        chunk = logits[i:i + step].float()                                  # (rows, C, V)
+        picked = chunk.gather(-1, ids[i:i + step].unsqueeze(-1)).squeeze(-1)  # (rows, C)
+        out.append(picked - torch.logsumexp(chunk, dim=-1))                 # (rows, C)
+    return torch.cat(out)                                                   # (n, C)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -54,7 +73,8 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     shift them. Only the C + 1 last positions go through the LM head (never all P + C).
     Logits are divided by the sampling temperature: the ratio compares the distribution
     the samples were actually drawn from. The entropy carries a gradient only when
-    entropy_grad (an entropy bonus); as a metric it stays out of the graph.
+    entropy_grad (an entropy bonus); as a metric it stays out of the graph. The head and
+    the log-softmax run on LOGITS_CHUNK_ELEMENTS-sized groups of rows.
     """
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                    # (n, P+C)
     attn = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+C)
@@ -64,11 +84,16 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                          use_cache=False).last_hidden_state[:, -(c_len + 1):]  # (n, C+1, H)
     # hidden state j predicts token j+1: the last C+1 positions predict the C completion
     # tokens (and one token past the end, dropped).
-    logits = model.get_output_embeddings()(h)[:, :-1].float() / temperature  # (n, C, V)
-    logp = token_logprobs(logits, completion_ids)                           # (n, C)
-    entropy = None
-    if with_entropy:
-        entropy = token_entropy(logits if entropy_grad else logits.detach())  # (n, C)
+    head = model.get_output_embeddings()
+    step = rows_per_chunk(c_len, head.weight.shape[0])
+    logps, entropies = [], []
+    for i in range(0, len(ids), step):
+        logits = head(h[i:i + step, :-1]).float() / temperature            # (rows, C, V)
+        logps.append(token_logprobs(logits, completion_ids[i:i + step]))    # (rows, C)
+        if with_entropy:
+            entropies.append(token_entropy(logits if entropy_grad else logits.detach()))
+    logp = torch.cat(logps)                                                 # (n, C)
+    entropy = torch.cat(entropies) if with_entropy else None                # (n, C)
     if return_hidden:
         return logp, entropy, h[:, :-1]                                     # (n, C, H)
     return logp, entropy
@@ -119,8 +144,25 @@ def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, ma
 
 # ---- the update loop, shared with ppo.py ----
 
+def micro_batch_rows(batch, idx, trim: bool = False):
+    """The rows idx of a batch for one forward: (prompt_ids, prompt_mask, completion_ids,
+    attention, mask, cols), cols the completion columns kept. trim (--fast) drops the
+    columns that are padding in every row: the leading prompt padding and everything after
+    the longest completion. Causal attention leaves the kept tokens' log-probs unchanged."""
+    p_ids, p_mask = batch.prompt_ids[idx], batch.prompt_mask[idx]
+    attn = batch.attention(idx)
+    cols = slice(None)
+    if trim:
+        start = int((p_mask.sum(0) == 0).sum())        # left padding: the all-pad columns lead
+        p_ids, p_mask = p_ids[:, start:], p_mask[:, start:]
+        cols = slice(0, int(attn.sum(1).max()))
+    return p_ids, p_mask, batch.completion_ids[idx][:, cols], attn[:, cols], \
+        batch.completion_mask[idx][:, cols], cols
+
+
 def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch: int,
-             micro_batch: int, max_grad_norm: float, seed: int, target_kl: float = 0.0) -> dict:
+             micro_batch: int, max_grad_norm: float, seed: int, target_kl: float = 0.0,
+             lengths=None) -> dict:
     """`epochs` passes over the batch's sequences in shuffled mini-batches: one optimizer step
     per mini-batch, its gradient accumulated over micro-batches. mask: the batch's (N, C)
     completion mask, which counts each mini-batch's policy tokens.
@@ -132,7 +174,9 @@ def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch:
     Guard: a NaN/inf loss or gradient norm skips that optimizer step (weights and optimizer
     state untouched); params are every parameter the optimizer updates, the norm is theirs.
     Early stop (CleanRL): after an epoch whose token-mean approx_kl exceeds target_kl (> 0),
-    no further epochs. Returns the last epoch's token means, plus
+    no further epochs. lengths (N,) (--fast): each mini-batch is sorted by length before it
+    is cut into micro-batches, so sequences of similar length share a forward and little
+    of it is padding (the gradient is the same sum). Returns the last epoch's token means, plus
     loss, grad_norm, skipped_nonfinite, nonfinite (which quantity), epochs_run.
     """
     n = mask.shape[0]
@@ -144,6 +188,8 @@ def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch:
         sums, tokens, losses = {}, 0, []
         for mb_start in range(0, n, mini_batch):
             mb = order[mb_start:mb_start + mini_batch]
+            if lengths is not None:
+                mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
             mb_tokens = int(mask[mb].sum().clamp_min(1))
             optimizer.zero_grad(set_to_none=True)
             mb_loss = 0.0
@@ -178,37 +224,44 @@ def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch:
 def update(model, optimizer, batch, *, epochs: int, mini_batch: int, micro_batch: int,
            clip_eps: float, clip_eps_high: float, beta: float, kl_estimator: str,
            kl_in_loss: bool, entropy_coef: float, agg: str, max_len: int,
-           max_grad_norm: float, temperature: float, seed: int, target_kl: float = 0.0) -> dict:
+           max_grad_norm: float, temperature: float, seed: int, target_kl: float = 0.0,
+           fast: bool = False) -> dict:
     """GRPO's loss on one batch of rollouts, optimised by `optimize`.
 
     batch: a rollout.Rollout (prompt/completion ids and masks, old_logp, ref_logp,
-    advantages; ref_logp None means no reference). Returns loss, entropy, clip_frac,
-    approx_kl, grad_norm (before clipping), epochs_run, and the guard's skipped_nonfinite /
-    nonfinite.
+    advantages; ref_logp None means no reference; old_logp None means "the policy that
+    sampled is this one": one update per batch, old = logp.detach()). fast: length-sorted,
+    trimmed micro-batches. Returns loss, entropy, clip_frac, approx_kl, ref_kl (token-mean
+    k3 to the reference, with one), grad_norm (before clipping), epochs_run, and the guard's
+    skipped_nonfinite / nonfinite.
     """
     def loss_fn(idx, mb_seqs, mb_tokens):
-        mask = batch.completion_mask[idx]                                       # (n, C)
-        logp, ent = completion_logprobs(model, batch.prompt_ids[idx], batch.prompt_mask[idx],
-                                        batch.completion_ids[idx], mask, temperature,
+        p_ids, p_mask, c_ids, attn, mask, cols = micro_batch_rows(batch, idx, trim=fast)  # (n, C)
+        logp, ent = completion_logprobs(model, p_ids, p_mask, c_ids, attn, temperature,
                                         with_entropy=True, entropy_grad=entropy_coef > 0)
-        old = batch.old_logp[idx]                                               # (n, C)
+        old = batch.old_logp[idx][:, cols] if batch.old_logp is not None else logp.detach()
         surrogate, clipped = clipped_surrogate(logp, old, batch.advantages[idx],
                                                clip_eps, clip_eps_high)
         per_token = -surrogate                                                  # (n, C)
-        if kl_in_loss and batch.ref_logp is not None:
-            per_token = per_token + beta * kl.estimate(logp, batch.ref_logp[idx], kl_estimator)
+        sums = {}
+        if batch.ref_logp is not None:
+            kl_t = kl.estimate(logp, batch.ref_logp[idx][:, cols], kl_estimator)
+            if kl_in_loss:
+                per_token = per_token + beta * kl_t
+            sums["ref_kl"] = (kl.estimate(logp.detach(), batch.ref_logp[idx][:, cols], "k3") * mask).sum().item()
         if entropy_coef > 0:
             per_token = per_token - entropy_coef * ent
         loss = aggregate(per_token, mask, agg, mb_seqs, mb_tokens, max_len)
         log_ratio = (logp - old).detach()
         # approx_kl = E[(ratio - 1) - log ratio], the k3 estimate of KL(old || new) (CleanRL)
-        return loss, dict(entropy=(ent.detach() * mask).sum().item(),
+        return loss, dict(sums, entropy=(ent.detach() * mask).sum().item(),
                           clipped=(clipped.float() * mask).sum().item(),
                           approx_kl=(((log_ratio.exp() - 1) - log_ratio) * mask).sum().item())
 
     model.train()
+    lengths = batch.attention().sum(1) if fast else None
     out = optimize(list(model.parameters()), optimizer, batch.completion_mask, loss_fn,
                    epochs=epochs, mini_batch=mini_batch, micro_batch=micro_batch,
-                   max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl)
+                   max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl, lengths=lengths)
     out["clip_frac"] = out.pop("clipped")
     return out

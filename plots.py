@@ -93,10 +93,13 @@ def plot_run(run_dir: Path) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     ax = axes[0]
-    for key, style in [("best_rate", "C0-"), ("valid_rate", "C2-"), ("fallback_rate", "C3-")]:
-        ax.plot(*series(key), style, alpha=0.35, lw=1, label=f"rollout {key}")
-    for key, style in [("eval_best_rate", "C0o-"), ("eval_valid_rate", "C2o-")]:
-        ax.plot(*series(key), style, lw=2, label=f"held-out {key[5:]}")
+    tools = cfg.get("task") == "tools"
+    rates = ["accuracy", "tool_success_rate", "wellformed_rate"] if tools else \
+        ["best_rate", "valid_rate", "fallback_rate"]
+    for key, color in zip(rates, ["C0", "C2", "C3"]):
+        ax.plot(*series(key), color + "-", alpha=0.35, lw=1, label=f"rollout {key}")
+    for key, color in zip(rates[:2], ["C0", "C2"]):
+        ax.plot(*series("eval_" + key), color + "o-", lw=2, label=f"held-out {key}")
     crashes = [r["step"] for r in rows if r.get("collapsed_after_update")]
     ax.plot(crashes, [0.02] * len(crashes), "kx", label="collapsed after update")
     ax.set(xlabel="step", ylabel="share of samples", ylim=(-0.03, 1.03), title="what the policy writes")
@@ -105,6 +108,7 @@ def plot_run(run_dir: Path) -> Path:
     ax.plot(*series("frac_adv_pm1"), label="share |A| = 1")
     ax.plot(*series("frac_zero_std_groups"), label="share zero-variance groups")
     ax.plot(*series("adv_abs_mean"), label="mean |A|")
+    ax.plot(*series("frac_adv_negative"), label="share A < 0")
     ax.set(xlabel="step", title="advantages")
     ax.legend(fontsize=7)
     ax = axes[2]
@@ -114,7 +118,8 @@ def plot_run(run_dir: Path) -> Path:
     ax.legend(fontsize=7)
     algo = cfg.get("algo", "grpo")
     norm = f"norm={cfg['norm']}  " if algo == "grpo" else ""
-    fig.suptitle(f"{algo.upper()}  K={cfg['k']}  B={cfg['batch']}  {norm}lr={cfg['lr']:g}  "
+    task = f"tools ({cfg['reward']} reward)  " if tools else ""
+    fig.suptitle(f"{task}{algo.upper()}  K={cfg['k']}  B={cfg['batch']}  {norm}lr={cfg['lr']:g}  "
                  f"seed={cfg['seed']}  ({len(steps)} steps)")
     fig.tight_layout()
     path = run_dir / "curves.png"

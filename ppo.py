@@ -93,24 +93,25 @@ def update(model, value_head, optimizer, batch, *, epochs: int, mini_batch: int,
            micro_batch: int, clip_eps: float, clip_eps_high: float, value_clip: float,
            vf_coef: float, beta: float, kl_estimator: str, kl_in_loss: bool,
            entropy_coef: float, agg: str, max_len: int, max_grad_norm: float,
-           temperature: float, seed: int, target_kl: float = 0.0) -> dict:
-    """PPO's losses on one batch (after `prepare`), optimised by grpo.optimize.
+           temperature: float, seed: int, target_kl: float = 0.0, fast: bool = False) -> dict:
+    """PPO's losses on one batch (after `prepare`), optimised by grpo.optimize (fast:
+    length-sorted, trimmed micro-batches).
 
     Returns the metrics of grpo.update plus value_loss (token mean of the unweighted value
     loss) and epochs_run (fewer than --epochs when --target-kl stopped it)."""
     def loss_fn(idx, mb_seqs, mb_tokens):
-        mask = batch.completion_mask[idx]                                       # (n, C)
-        logp, ent, h = grpo.completion_logprobs(
-            model, batch.prompt_ids[idx], batch.prompt_mask[idx], batch.completion_ids[idx],
-            mask, temperature, with_entropy=True, entropy_grad=entropy_coef > 0,
-            return_hidden=True)
-        old = batch.old_logp[idx]
-        surrogate, clipped = grpo.clipped_surrogate(logp, old, batch.advantages[idx],
+        p_ids, p_mask, c_ids, attn, mask, cols = grpo.micro_batch_rows(batch, idx, trim=fast)  # (n, C)
+        logp, ent, h = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, attn, temperature,
+                                                with_entropy=True, entropy_grad=entropy_coef > 0,
+                                                return_hidden=True)
+        old = batch.old_logp[idx][:, cols]
+        surrogate, clipped = grpo.clipped_surrogate(logp, old, batch.advantages[idx][:, cols],
                                                     clip_eps, clip_eps_high)
-        v_loss = value_loss(value_head(h), batch.old_values[idx], batch.returns[idx], value_clip)
+        v_loss = value_loss(value_head(h), batch.old_values[idx][:, cols], batch.returns[idx][:, cols],
+                            value_clip)
         per_token = -surrogate + vf_coef * v_loss                               # (n, C)
         if kl_in_loss and batch.ref_logp is not None:
-            per_token = per_token + beta * kl.estimate(logp, batch.ref_logp[idx], kl_estimator)
+            per_token = per_token + beta * kl.estimate(logp, batch.ref_logp[idx][:, cols], kl_estimator)
         if entropy_coef > 0:
             per_token = per_token - entropy_coef * ent
         loss = grpo.aggregate(per_token, mask, agg, mb_seqs, mb_tokens, max_len)
@@ -124,6 +125,7 @@ def update(model, value_head, optimizer, batch, *, epochs: int, mini_batch: int,
     params = list(model.parameters()) + list(value_head.parameters())
     out = grpo.optimize(params, optimizer, batch.completion_mask, loss_fn,
                         epochs=epochs, mini_batch=mini_batch, micro_batch=micro_batch,
-                        max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl)
+                        max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl,
+                        lengths=batch.attention().sum(1) if fast else None)
     out["clip_frac"] = out.pop("clipped")
     return out

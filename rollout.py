@@ -9,6 +9,13 @@ first end-of-sequence token it sampled, and 0 after it. It is built from the pos
 the first EOS, never from pad ids: with tokenizers whose pad token is the EOS token, masking
 every pad id would silently drop the sampled EOS from the loss, and the policy would never
 learn when to stop.
+
+Multi-turn episodes (`sample_episodes`, the tool task): the policy's turns and the
+environment's replies alternate in one sequence after the prompt. The rule for the mask:
+a token the environment inserted (a `<tool_response>`) is in the context, attended to by
+every later token, but has mask 0: it is never trained on, because the policy did not
+choose it. So completion_attn (attention: every real token) and completion_mask (loss:
+the policy's tokens only) differ there.
 """
 from dataclasses import dataclass
 
@@ -31,6 +38,13 @@ class Rollout:
     rewards: torch.Tensor | None = None      # (N,) filled by the task's reward
     advantages: torch.Tensor | None = None   # (N,) per sequence (GRPO) or (N, C) per token (PPO)
     returns: torch.Tensor | None = None      # (N, C) the critic's targets (PPO)
+    completion_attn: torch.Tensor | None = None  # (N, C) attention over the completion when it
+                                                 # differs from the mask (environment tokens)
+
+    def attention(self, idx=slice(None)) -> torch.Tensor:
+        """(n, C) attention mask of the completion: every real token, policy's or not."""
+        attn = self.completion_mask if self.completion_attn is None else self.completion_attn
+        return attn[idx]
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -43,28 +57,129 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperature: float,
-           ref_model=None, value_head=None) -> Rollout:
+           ref_model=None, value_head=None, old_logp: bool = True, chunk: int | None = None,
+           static_cache: bool = False) -> Rollout:
     """Generate k completions for each prompt and record them with their log-probs (and,
-    given a value head, the values, from the same forward pass)."""
+    given a value head, the values, from the same forward pass). old_logp=False skips the
+    policy's forward when nothing needs it (evaluation; --fast with one update per batch).
+    static_cache (--compile, CUDA): a static KV cache that torch.compile can specialise on,
+    with prompts padded to a multiple of 64 tokens so their lengths rarely recompile it."""
     texts = [t for t in prompt_texts for _ in range(k)]            # N = B*K, grouped
     device = next(model.parameters()).device
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
+              pad_to_multiple_of=64 if static_cache else None).to(device)
     model.eval()
     # Pure sampling from softmax(logits / temperature): no top-k / top-p truncation, so the
-    # log-probs below are those of the distribution the samples came from.
+    # log-probs below are those of the distribution the samples came from. generate stops
+    # as soon as every sequence has sampled its EOS.
     out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
                          max_new_tokens=max_new_tokens,
+                         cache_implementation="static" if static_cache else None,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (N, P+C)
     p_len = enc["input_ids"].shape[1]
     completion_ids = out[:, p_len:]                                 # (N, C)
     mask = completion_mask(completion_ids, tok.eos_token_id)        # (N, C)
     completion_ids = completion_ids.masked_fill(mask == 0, tok.pad_token_id)
-    args = (enc["input_ids"], enc["attention_mask"], completion_ids, mask)
-    old_logp, _, h = completion_logprobs(model, *args, temperature=temperature,
-                                         return_hidden=True)                      # (N, C)
-    old_values = value_head(h) if value_head is not None else None                # (N, C)
-    ref_logp = completion_logprobs(ref_model, *args, temperature=temperature)[0] \
-        if ref_model is not None else None                                        # (N, C)
     decoded = tok.batch_decode(completion_ids, skip_special_tokens=True)
-    return Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
-                   old_logp, ref_logp, [d.strip() for d in decoded], old_values)
+    batch = Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
+                    None, None, [d.strip() for d in decoded])
+    return score_logprobs(batch, model, temperature, ref_model, value_head, old_logp, chunk)
+
+
+@torch.no_grad()
+def score_logprobs(batch: Rollout, model, temperature: float, ref_model=None, value_head=None,
+                   old_logp: bool = True, chunk: int | None = None):
+    """Fill old_logp (unless old_logp=False and there is no value head), old_values and
+    ref_logp of a sampled batch, `chunk` sequences per forward; returns the batch."""
+    n = len(batch.completion_ids)
+    chunk = chunk or n
+
+    def forward(m, hidden=False):        # (N, C) log-probs [and (N, C, H) hidden states]
+        parts = [completion_logprobs(m, batch.prompt_ids[i:i + chunk], batch.prompt_mask[i:i + chunk],
+                                     batch.completion_ids[i:i + chunk], batch.attention(slice(i, i + chunk)),
+                                     temperature=temperature, return_hidden=hidden)
+                 for i in range(0, n, chunk)]
+        return torch.cat([p[0] for p in parts]), (torch.cat([p[2] for p in parts]) if hidden else None)
+    if old_logp or value_head is not None:
+        batch.old_logp, h = forward(model, hidden=value_head is not None)         # (N, C)
+        batch.old_values = value_head(h) if value_head is not None else None      # (N, C)
+    batch.ref_logp = forward(ref_model)[0] if ref_model is not None else None     # (N, C)
+    return batch
+
+
+def left_pad(rows: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids, attention) (n, L), padded on the left."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, attn
+
+
+def stop_ids(tok, stop_strings) -> list | None:
+    """The token ids of the stop strings when each is one token (the tiny tokenizer), else None
+    (then `generate` matches the strings themselves)."""
+    ids = [tok.convert_tokens_to_ids(s) for s in stop_strings]
+    return ids if all(i is not None and i != tok.unk_token_id for i in ids) else None
+
+
+@torch.no_grad()
+def sample_episodes(model, tok, prompt_texts: list, envs: list, k: int, max_new_tokens: int,
+                    temperature: float, stop_strings, ref_model=None, value_head=None,
+                    old_logp: bool = True, chunk: int | None = None):
+    """Play N = B*K multi-turn episodes: envs[i] is already reset and plays row i (rows
+    grouped by prompt, as in `sample`). Each turn, every unfinished episode generates until
+    a stop string (the end of a tool call or of an answer), the environment answers, and its
+    reply is appended to that episode's context. Returns the Rollout (completion = every
+    turn and reply after the prompt; mask 1 only on the policy's tokens), the info dicts of
+    each episode and the texts of each episode's policy turns."""
+    device = next(model.parameters()).device
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in prompt_texts for _ in range(k)]
+    n = len(prompts)
+    ids, policy_mask = [[] for _ in range(n)], [[] for _ in range(n)]    # the completion so far
+    infos, turns = [[] for _ in range(n)], [[] for _ in range(n)]
+    stops = stop_ids(tok, stop_strings)
+    stop_kw = dict(eos_token_id=[tok.eos_token_id, *stops]) if stops else \
+        dict(eos_token_id=tok.eos_token_id, stop_strings=list(stop_strings), tokenizer=tok)
+    active = list(range(n))
+    model.eval()
+    while active:
+        ctx, attn = left_pad([prompts[i] + ids[i] for i in active], tok.pad_token_id, device)
+        out = model.generate(input_ids=ctx, attention_mask=attn, do_sample=True,
+                             temperature=temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
+                             **stop_kw)[:, ctx.shape[1]:]                      # (n_active, T)
+        still = []
+        for row, i in enumerate(active):
+            new = turn_tokens(out[row].tolist(), tok, stops, stop_strings)
+            text = tok.decode(new, skip_special_tokens=True).strip()
+            observation, done, info = envs[i].step(text)
+            ids[i] += new
+            policy_mask[i] += [1] * len(new)                 # the policy chose these: trained on
+            infos[i].append(info)
+            turns[i].append(text)
+            if not done:
+                reply = tok(" " + observation + " ", add_special_tokens=False)["input_ids"]
+                ids[i] += reply
+                policy_mask[i] += [0] * len(reply)           # the environment's: never trained on
+                still.append(i)
+        active = still
+    width = max(map(len, ids))
+    completion_ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in ids], device=device)
+    mask = torch.tensor([m + [0] * (width - len(m)) for m in policy_mask], device=device)
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids], device=device)
+    p_ids, p_attn = left_pad(prompts, tok.pad_token_id, device)
+    texts = [tok.decode(r, skip_special_tokens=True).strip() for r in ids]
+    batch = Rollout(p_ids, p_attn, completion_ids, mask, None, None, texts, completion_attn=attn)
+    return score_logprobs(batch, model, temperature, ref_model, value_head, old_logp, chunk), infos, turns
+
+
+def turn_tokens(generated: list, tok, stops, stop_strings) -> list:
+    """The tokens of one turn: up to and including the first stop token, EOS, or the end of
+    the first stop string; what `generate` padded after that is dropped."""
+    ends = set(stops or []) | {tok.eos_token_id}
+    for t, token in enumerate(generated):
+        if token in ends:
+            return generated[:t + 1]
+        if not stops and any(s in tok.decode(generated[:t + 1]) for s in stop_strings):
+            return generated[:t + 1]
+    return generated

@@ -1,7 +1,10 @@
 """A multi-turn tool-calling environment in the spirit of report 000 (OS tuning with tools).
 
 The task: which kernel setting does a benchmark depend on, and what value does the
-knowledge base recommend? The answer is not in the prompt; only the tools know it.
+knowledge base recommend? The answer is not in the prompt; only the tools know it. The
+setting of each benchmark is fixed, but each episode's knowledge base recommends one of
+several values (a different machine, a different tuning guide), so no policy can learn the
+answer by heart from the prompt: it has to look the value up and copy it.
 
     env = ToolEnv()
     prompt = env.reset(seed=0)
@@ -11,8 +14,8 @@ A policy turn is `<think>...</think>` followed by either
     <tool_call>{"name": "query_knowledge_base", "arguments": {"topic": "memory"}}</tool_call>
 which the environment answers with `<tool_response>...</tool_response>` (the observation,
 appended to the context by the caller), or
-    <answer>vm.swappiness=10</answer>
-which ends the episode. After --max-turns turns without an answer the episode ends too.
+    <answer> vm.swappiness = 10 </answer>
+which ends the episode (spaces in the answer are ignored). After --max-turns turns without an answer the episode ends too.
 
 Every way a turn can fail is a named kind returned in info["failure"], never an exception:
 FAILURES below. Model output is parsed with json.loads and matched against plain dicts;
@@ -28,14 +31,14 @@ import json
 import random
 import re
 
-# benchmark -> (the setting it depends on, the value the knowledge base recommends)
+# benchmark -> (the setting it depends on, the values a knowledge base may recommend)
 KNOWLEDGE_BASE = {
-    "cpu": ("kernel.sched_migration_cost_ns", "5000000"),
-    "fileio": ("vm.dirty_ratio", "40"),
-    "memory": ("vm.swappiness", "10"),
-    "network": ("net.core.somaxconn", "4096"),
-    "threads": ("kernel.sched_min_granularity_ns", "10000000"),
-    "mutex": ("kernel.sched_wakeup_granularity_ns", "15000000"),
+    "cpu": ("kernel.sched_migration_cost_ns", ("500000", "1000000", "5000000")),
+    "fileio": ("vm.dirty_ratio", ("20", "40", "60")),
+    "memory": ("vm.swappiness", ("1", "10", "30")),
+    "network": ("net.core.somaxconn", ("1024", "4096", "8192")),
+    "threads": ("kernel.sched_min_granularity_ns", ("3000000", "10000000")),
+    "mutex": ("kernel.sched_wakeup_granularity_ns", ("4000000", "15000000")),
 }
 TOOLS = {   # name -> {argument: type}, the JSON schema of each tool, flattened
     "query_knowledge_base": {"topic": str},
@@ -53,16 +56,20 @@ _TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.DOTALL)
 _DEGENERATE = re.compile(r"(\S)\1{7,}|\b(\w+)(?:\s+\2\b){5,}")
 
 
-def run_tool(name: str, args: dict) -> str:
-    """The tools: plain lookups in KNOWLEDGE_BASE. '' means an empty result."""
+def run_tool(name: str, args: dict, kb: dict) -> str:
+    """The tools: plain lookups in this episode's knowledge base kb (benchmark -> (setting,
+    value)). '' means an empty result. Words are separated by spaces, so a word-level
+    tokenizer (the tiny model's) can read every response."""
     if name == "query_knowledge_base":
-        hit = KNOWLEDGE_BASE.get(args["topic"].strip().lower())
-        return f"{args['topic']} performance depends on {hit[0]}; recommended value {hit[1]}" if hit else ""
-    settings = {param: value for param, value in KNOWLEDGE_BASE.values()}
+        topic = args["topic"].strip().lower()
+        if topic not in kb:
+            return ""
+        return f"the {topic} benchmark depends on {kb[topic][0]} , recommended value {kb[topic][1]}"
+    settings = dict(kb.values())
     if args["param"] not in settings:
         return ""
     verdict = "recommended" if args["value"].strip() == settings[args["param"]] else "not recommended"
-    return f"{args['param']}={args['value']} is {verdict}; recommended value {settings[args['param']]}"
+    return f"{args['param']} = {args['value'].strip()} is {verdict} , recommended value {settings[args['param']]}"
 
 
 def parse_call(text: str) -> tuple[str | None, str | None, dict | None]:
@@ -89,15 +96,23 @@ def parse_call(text: str) -> tuple[str | None, str | None, dict | None]:
 class ToolEnv:
     def __init__(self, max_turns: int = 3, benchmarks=tuple(KNOWLEDGE_BASE)):
         self.max_turns, self.benchmarks = max_turns, benchmarks
-        self.benchmark, self.turn, self.done = None, 0, True
+        self.benchmark, self.kb, self.turn, self.done = None, {}, 0, True
         self.counts = {kind: 0 for kind in FAILURES}    # failures per kind since the last reset_counts
         self.counts.update(tool_calls=0, tool_successes=0)
 
     def reset(self, seed: int | None = None) -> str:
-        self.benchmark = random.Random(seed).choice(self.benchmarks)
+        rng = random.Random(seed)
+        self.benchmark = rng.choice(self.benchmarks)
+        # This episode's knowledge base: one recommended value per setting.
+        self.kb = {b: (param, rng.choice(values)) for b, (param, values) in KNOWLEDGE_BASE.items()}
         self.turn, self.done = 0, False
         return (f"Which kernel setting does the {self.benchmark} benchmark depend on, and what "
-                f"value is recommended? Use the tools, then answer as <answer>setting=value</answer>.")
+                f"value is recommended ? Use the tools , then answer as <answer> setting = value </answer>")
+
+    @property
+    def solution(self) -> tuple[str, str]:
+        """(setting, value): the episode's correct answer."""
+        return self.kb[self.benchmark]
 
     def reset_counts(self) -> None:
         self.counts = {k: 0 for k in self.counts}
@@ -117,7 +132,7 @@ class ToolEnv:
             info["failure"] = "degenerate"
         elif _TAG["answer"].search(text):
             given = _TAG["answer"].search(text).group(1).strip().replace(" ", "")
-            param, value = KNOWLEDGE_BASE[self.benchmark]
+            param, value = self.solution
             info.update(answered=True, correct=given == f"{param}={value}")
             self.done = True
         elif _TAG["tool_call"].search(text):
@@ -125,15 +140,17 @@ class ToolEnv:
             info.update(failure=failure, tool=name)
             self.counts["tool_calls"] += 1
             if failure is None:
-                result = run_tool(name, args)
+                result = run_tool(name, args, self.kb)
                 if result:
                     info.update(tool_success=True, process_reward=0.1,
                                 correct_call=self._relevant(name, args))
                     self.counts["tool_successes"] += 1
-                    observation = f"<tool_response>{result}</tool_response>"
+                    observation = f"<tool_response> {result} </tool_response>"
                 else:
                     info["failure"] = "empty_result"
-                    observation = "<tool_response></tool_response>"
+            if info["failure"]:
+                # A failed call is answered too: the policy sees what went wrong.
+                observation = f"<tool_response> error : {info['failure']} </tool_response>"
         else:
             info["failure"] = "no_action"
         if info["failure"]:
@@ -146,7 +163,7 @@ class ToolEnv:
         return observation, self.done, info
 
     def _relevant(self, name: str, args: dict) -> bool:
-        param, _ = KNOWLEDGE_BASE[self.benchmark]
+        param, _ = self.solution
         if name == "query_knowledge_base":
             return args["topic"].strip().lower() == self.benchmark
         return args["param"] == param

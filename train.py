@@ -1,21 +1,26 @@
-"""Train a policy with GRPO or PPO on the workflow-DSL task of report 001.
+"""Train a policy with GRPO or PPO on report 001's workflow-DSL task or report 000's tool task.
 
     python train.py --k 8 --norm global            # GRPO learns: held-out best rate ~0.14 -> ~0.99
     python train.py --k 2 --batch 3 --norm group   # report 001's setting, for contrast
     python train.py --algo ppo                     # PPO: a value head, GAE, the same task
+    python train.py --task tools --reward sparse   # report 000: a multi-turn tool agent
     python train.py --help                         # every flag, with its meaning
 
-Each step: sample B prompts -> generate K completions each (rollout.py) -> score them
-(rewards.py) -> advantages (advantages.py for GRPO; a critic and GAE in ppo.py for PPO) ->
-a clipped-surrogate update (grpo.py / ppo.py) -> one line of metrics.jsonl. The run's folder
-(--out) holds config.json, metrics.jsonl, samples.jsonl, summary.json, curves.png and, with
+Each step: sample B prompts -> generate K completions (or K tool-calling episodes) each
+(rollout.py, via workflow_task.py / tool_task.py) -> score them (rewards.py) -> advantages
+(advantages.py for GRPO; a critic and GAE in ppo.py for PPO) -> a clipped-surrogate update
+(grpo.py / ppo.py) -> one line of metrics.jsonl. The run's folder (--out) holds config.json, metrics.jsonl, samples.jsonl, summary.json, curves.png and, with
 --save-every, checkpoints/ (checkpoint.py; `--resume RUN` continues from the newest).
 
 Metrics, one JSON object per step (N = B*K rollouts of that step):
     reward_mean, reward_std   mean and population std of the N rewards
-    best_rate, valid_rate     share of rollouts that are the best workflow / any valid DSL
-                              (valid_rate counts best ones too)
-    fallback_rate, junk_rate  share of `### Step` text / of anything else off-format
+    best_rate, valid_rate     DSL task: share of rollouts that are the best workflow / any
+                              valid DSL (valid_rate counts best ones too)
+    fallback_rate, junk_rate  DSL task: share of `### Step` text / of anything else off-format
+    accuracy, answer_rate, tool_calls, tool_success_rate, wellformed_rate, turns,
+    failure/<kind>            tools task: see tool_task.rates
+    frac_adv_negative         share of rollouts with a negative advantage (report 000's
+                              explanation of the sparse reward's failure)
     frac_zero_std_groups      share of prompts whose K rewards are all equal (no signal)
     adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark)
     loss, entropy, clip_frac, approx_kl, grad_norm   from the update (null when none was
@@ -36,13 +41,15 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               and which ("loss", "grad_norm", or "reward")
     nonfinite_rewards         rewards that were NaN/inf (left out of reward_mean/std)
     alerts                    the stability monitor's active alerts (monitor.py)
-    collapsed_after_update    the previous step updated, its valid rate was > 0, and this
-                              step's valid rate is at most half of it (report 001: "50% ->
-                              0% right after the update"). crash_rate = collapses / updates.
-    eval_best_rate, eval_valid_rate, eval_reward_mean   at step 0 (a line of its own) and
-                              every --eval-every steps: one sample at the training
-                              temperature for each of --eval-samples x 32 held-out prompts,
-                              drawn with a fixed seed so every evaluation sees the same noise
+    collapsed_after_update    the previous step updated, its on-format rate (valid_rate;
+                              wellformed_rate for tools) was > 0, and this step's is at most
+                              half of it (report 001: "50% -> 0% right after the update").
+                              crash_rate = collapses / updates.
+    eval_<rate>, eval_reward_mean   each rate above, on held-out prompts, at step 0 (a line
+                              of its own) and every --eval-every steps: one sample at the
+                              training temperature for each of --eval-samples x 32 held-out
+                              prompts, drawn with a fixed seed so every evaluation sees the
+                              same noise
     eval_value_rmse           PPO: RMSE of V(s_t) against the held-out returns
     seconds                   wall time of the step
 """
@@ -66,79 +73,60 @@ import monitor
 import plots
 import policy
 import ppo
-import rewards
-import rollout
 import schedules
-import workflow_task as task
+import tool_task
+import workflow_task
 from config import Config, default_out, parse_config
 
+TASKS = {"dsl": workflow_task, "tools": tool_task}
 
-# ---- the policy and the task's reward ----
 
-def load(c: Config, device: str, log):
+# ---- the policy ----
+
+def load(c: Config, task, device: str, log):
     if c.model:
         sft = 0 if c.sft_steps == -1 else c.sft_steps
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
         # weights would mostly round away.
-        model, tok = policy.local_policy(c.model, sft, c.sft_lr, 64, c.sft_seed, log)
+        model, tok = policy.local_policy(task, c.model, sft, c.sft_lr, 64, c.sft_seed, log)
     else:
         sft = 300 if c.sft_steps == -1 else c.sft_steps
-        model, tok = policy.tiny_policy(c.hidden, c.layers, sft, c.sft_lr, 64, c.sft_seed,
+        model, tok = policy.tiny_policy(task, c.hidden, c.layers, sft, c.sft_lr, 64, c.sft_seed,
                                         Path(c.cache_dir), log)
     return model.to(device), tok
 
 
-def score(texts: list, prompts: list, k: int):
-    """Rewards (N,) and classes for N completions of B prompts (K each, grouped)."""
-    bests = [p["best"] for p in prompts for _ in range(k)]
-    classes = [rewards.classify(t, b) for t, b in zip(texts, bests)]
-    return torch.tensor([rewards.DSL_REWARD[c] for c in classes]), classes
-
-
-def rates(classes: list) -> dict:
-    n = len(classes)
-    share = {c: sum(x == c for x in classes) / n for c in ("best", "valid", "fallback", "junk")}
-    return dict(best_rate=share["best"], valid_rate=share["best"] + share["valid"],
-                fallback_rate=share["fallback"], junk_rate=share["junk"])
-
-
-def evaluate(model, tok, eval_prompts: list, c: Config, value_head=None) -> tuple[dict, list]:
+def evaluate(model, tok, task, eval_prompts: list, c: Config, value_head=None) -> tuple[dict, list]:
     """Held-out rates from a fixed-seed sample; the training RNG is left untouched.
 
     With a value head (PPO), also eval_value_rmse: the RMSE, over held-out policy tokens, of
     V(s_t) against the return the critic is meant to predict (the outcome reward,
     discounted by gamma, without the KL penalty)."""
-    texts = [policy.format_prompt(tok, p["text"]) for p in eval_prompts]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(1234)
-        batch = rollout.sample(model, tok, texts, c.eval_samples, c.max_new_tokens, c.temperature,
-                               value_head=value_head)
-    rewards_, classes = score(batch.texts, eval_prompts, c.eval_samples)
-    r = rates(classes)
-    out = {"eval_best_rate": r["best_rate"], "eval_valid_rate": r["valid_rate"],
-           "eval_fallback_rate": r["fallback_rate"], "eval_junk_rate": r["junk_rate"],
-           "eval_reward_mean": rewards_.mean().item()}
+        batch, outcomes = task.sample(model, tok, eval_prompts, c.eval_samples, c,
+                                      value_head=value_head, old_logp=False)
+    out = {f"eval_{key}": v for key, v in task.rates(outcomes).items()}
+    out["eval_reward_mean"] = batch.rewards.mean().item()
     if value_head is not None:
         m = batch.completion_mask
         # lam = 1: A_t + V_t is the Monte-Carlo return, whatever V is.
-        adv, returns = advantages.gae(ppo.token_rewards(rewards_.to(m.device), m), batch.old_values,
-                                      m, c.gamma, 1.0)
+        adv, returns = advantages.gae(ppo.token_rewards(batch.rewards.to(m.device), m),
+                                      batch.old_values, m, c.gamma, 1.0)
         out["eval_value_rmse"] = ((batch.old_values - returns)[m.bool()] ** 2).mean().sqrt().item()
-    return out, list(zip(batch.texts, classes))
+    return out, [task.describe(t, o) for t, o in zip(batch.texts, outcomes)]
 
 
-def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: list, amp,
+def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, prompts: list, amp,
             step: int, beta: float, entropy_coef: float):
     """One step on B prompts: rollout -> reward -> advantage -> update (GRPO or PPO).
 
-    Returns the batch record, the completions' classes, the step's rollout metrics, and the
-    update's statistics (all None when no update was taken)."""
-    texts = [policy.format_prompt(tok, p["text"]) for p in prompts]
+    Returns the batch record, the rollouts' outcomes (the task's: classes or episodes), the
+    step's rollout metrics, and the update's statistics (all None when no update was taken)."""
     with amp():
-        batch = rollout.sample(model, tok, texts, c.k, c.max_new_tokens, c.temperature,
-                               ref_model, value_head)
-    batch.rewards, classes = score(batch.texts, prompts, c.k)                          # (N,)
+        batch, outcomes = task.sample(model, tok, prompts, c.k, c, ref_model, value_head,
+                                      old_logp=not c.reuse_old_logp)               # rewards (N,)
     stats = dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
                  skipped_nonfinite=0, nonfinite=[])
     mask = batch.completion_mask
@@ -163,12 +151,13 @@ def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: li
     a = batch.advantages[mask.bool()] if batch.advantages.dim() == 2 else batch.advantages
     r = batch.rewards[finite]
     row = dict(step=step, reward_mean=r.mean().item() if len(r) else None,
-               reward_std=r.std(correction=0).item() if len(r) else None, **rates(classes),
+               reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(outcomes),
                nonfinite_rewards=int((~finite).sum()),
                frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, c.k),
                adv_abs_mean=a.abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(a),
+               frac_adv_negative=(a < 0).float().mean().item(),
                kl=(kl.estimate(batch.old_logp, batch.ref_logp, "k3") * mask).sum().item()
-               / mask.sum().item() if has_ref else None, kl_coef=beta)
+               / mask.sum().item() if has_ref and batch.old_logp is not None else None, kl_coef=beta)
     if c.algo == "ppo" and finite.all():
         row["explained_variance"] = ppo.explained_variance(batch.old_values, batch.returns, mask)
 
@@ -176,22 +165,26 @@ def rl_step(c: Config, model, value_head, tok, optimizer, ref_model, prompts: li
     # AdamW's momentum would still move the weights); PPO always has its value loss.
     no_signal = c.algo == "grpo" and bool((batch.advantages == 0).all()) and beta == 0 \
         and entropy_coef == 0
-    guard = c.skip_all_fallback and row["fallback_rate"] == 1.0
+    guard = c.skip_all_fallback and row.get("fallback_rate") == 1.0
     if not (no_signal or guard or stats["nonfinite"]):
         common = dict(epochs=c.epochs, mini_batch=c.mini_batch or c.n,
                       micro_batch=c.micro_batch or c.mini_batch or c.n, clip_eps=c.clip_eps,
                       clip_eps_high=c.clip_eps_high or c.clip_eps, beta=beta,
                       kl_estimator=c.kl_estimator, kl_in_loss=not c.kl_in_reward,
-                      entropy_coef=entropy_coef, agg=c.loss_agg, max_len=c.max_new_tokens,
+                      entropy_coef=entropy_coef, agg=c.loss_agg,
+                      max_len=c.max_new_tokens * (c.max_turns if c.task == "tools" else 1),
                       max_grad_norm=c.max_grad_norm or float("inf"), temperature=c.temperature,
-                      seed=c.seed * 100003 + step, target_kl=c.target_kl)
+                      seed=c.seed * 100003 + step, target_kl=c.target_kl, fast=c.fast)
         with amp():
             if c.algo == "grpo":
                 stats = grpo.update(model, optimizer, batch, **common)
             else:
                 stats = ppo.update(model, value_head, optimizer, batch, value_clip=c.value_clip,
                                    vf_coef=c.vf_coef, **common)
-    return batch, classes, row, stats
+    if has_ref and batch.old_logp is None:
+        # --fast: the update's forward was the sampling policy's; its KL is the same number.
+        row["kl"] = stats.get("ref_kl")
+    return batch, outcomes, row, stats
 
 
 # ---- the loop ----
@@ -206,7 +199,8 @@ def train(c: Config) -> dict:
     say = (lambda *a: None) if c.quiet else (lambda s: print(s, file=sys.stderr))
     t_start = time.time()
 
-    model, tok = load(c, device, say)
+    task = TASKS[c.task]
+    model, tok = load(c, task, device, say)
     # The reference is the warm start, also when resuming: load() always returns it.
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if c.beta > 0 else None
     value_head = ppo.ValueHead(model.config.hidden_size).to(device) if c.algo == "ppo" else None
@@ -216,13 +210,13 @@ def train(c: Config) -> dict:
     # bf16 autocast on a GPU; the lesson code is the same on both.
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" \
         else contextlib.nullcontext
-    train_prompts, eval_prompts = task.make_prompts("train"), task.make_prompts("eval")
+    train_prompts, eval_prompts = task.prompts("train"), task.prompts("eval")
     rng = random.Random(c.seed)
     torch.manual_seed(c.seed)
     watch = monitor.StabilityMonitor(c.alert_entropy, c.alert_kl, c.alert_reward_range, c.alert_window)
 
     # Everything a checkpoint holds besides the weights, the optimizer and the RNGs.
-    state = dict(step=0, updates=0, collapses=0, skipped=0, prev=None,  # prev: (updated, valid_rate)
+    state = dict(step=0, updates=0, collapses=0, skipped=0, prev=None,  # prev: (updated, on-format rate)
                  first_eval=None, last_eval=None, monitor=None, kl_control=None, value_head=None)
     if c.resume:
         state = checkpoint.restore(Path(c.resume), model, optimizer, rng)
@@ -244,13 +238,12 @@ def train(c: Config) -> dict:
 
     if state["first_eval"] is None:
         with amp():
-            state["first_eval"], eval_rows = evaluate(model, tok, eval_prompts, c, value_head)
+            state["first_eval"], eval_rows = evaluate(model, tok, task, eval_prompts, c, value_head)
         state["last_eval"] = state["first_eval"]
         metrics.write({"step": 0, **state["first_eval"]})   # before any update: evaluation only
         samples.write({"step": 0, "split": "eval", "samples": eval_rows})
-        e = state["first_eval"]
-        say(f"step 0: held-out best {e['eval_best_rate']:.2f}, valid {e['eval_valid_rate']:.2f}, "
-            f"fallback {e['eval_fallback_rate']:.2f}")
+        say("step 0: held-out " + ", ".join(f"{key} {state['first_eval']['eval_' + key]:.2f}"
+                                            for key in task.HEADLINE))
 
     stopped = None
     for step in range(state["step"] + 1, c.steps + 1):
@@ -262,15 +255,16 @@ def train(c: Config) -> dict:
             group["lr"] = lr
         entropy_coef = schedules.linear(step, c.steps, c.entropy_coef,
                                         c.entropy_coef if c.entropy_coef_end < 0 else c.entropy_coef_end)
-        batch, classes, row, stats = rl_step(c, model, value_head, tok, optimizer, ref_model, prompts,
-                                             amp, step, kl_control.beta, entropy_coef)
+        batch, outcomes, row, stats = rl_step(c, task, model, value_head, tok, optimizer, ref_model,
+                                              prompts, amp, step, kl_control.beta, entropy_coef)
         row.update(lr=lr, entropy_coef=entropy_coef)
         if row["kl"] is not None:
             kl_control.update(row["kl"])                  # beta for the next step
         updated = stats["loss"] is not None and stats["skipped_nonfinite"] < c.epochs
         prev = state["prev"]
-        collapsed = bool(prev and prev[0] and prev[1] > 0 and row["valid_rate"] <= prev[1] / 2)
-        state.update(step=step, updates=state["updates"] + updated, prev=(updated, row["valid_rate"]),
+        on_format = row[task.FORMAT_KEY]
+        collapsed = bool(prev and prev[0] and prev[1] > 0 and on_format <= prev[1] / 2)
+        state.update(step=step, updates=state["updates"] + updated, prev=(updated, on_format),
                      collapses=state["collapses"] + collapsed,
                      skipped=state["skipped"] + stats["skipped_nonfinite"])
         row.update(stats, updated=updated, collapsed_after_update=collapsed)
@@ -283,7 +277,7 @@ def train(c: Config) -> dict:
 
         if step % c.eval_every == 0 or step == c.steps:
             with amp():
-                state["last_eval"], eval_rows = evaluate(model, tok, eval_prompts, c, value_head)
+                state["last_eval"], eval_rows = evaluate(model, tok, task, eval_prompts, c, value_head)
             row.update(state["last_eval"])
             samples.write({"step": step, "split": "eval", "samples": eval_rows})
         row["seconds"] = time.time() - t0
@@ -293,10 +287,10 @@ def train(c: Config) -> dict:
             m = batch.completion_mask
             adv = (adv * m).sum(1) / m.sum(1).clamp_min(1)
         samples.write({"step": step, "split": "train", "samples": [
-            dict(prompt=prompts[i // c.k]["text"], text=batch.texts[i], cls=classes[i],
+            dict(prompt=prompts[i // c.k]["text"], **task.describe(batch.texts[i], outcomes[i]),
                  reward=batch.rewards[i].item(), advantage=adv[i].item())
             for i in range(min(c.log_samples, c.n))]})
-        progress(c, row, state["last_eval"])
+        progress(c, task, row, state["last_eval"])
 
         if state["skipped"] > c.max_skips:
             stopped = f"{state['skipped']} non-finite steps, more than --max-skips {c.max_skips}"
@@ -309,44 +303,44 @@ def train(c: Config) -> dict:
             break
     metrics.close()
     samples.close()
-    return finish(c, out, state, watch, stopped, time.time() - t_start, say)
+    return finish(c, task, out, state, watch, stopped, time.time() - t_start, say)
 
 
-def progress(c: Config, row: dict, last_eval: dict) -> None:
+def progress(c: Config, task, row: dict, last_eval: dict) -> None:
     """On a terminal, one line rewritten in place; in a log, one line per evaluation."""
     if c.quiet:
         return
     end = "\n" if (row["step"] % c.eval_every == 0 or row["step"] == c.steps) else "\r"
     if end == "\n" or sys.stderr.isatty():
         reward = f"{row['reward_mean']:.2f}" if row["reward_mean"] is not None else "nan"
-        print(f"step {row['step']:4d}/{c.steps}  reward {reward}  valid {row['valid_rate']:.2f}  "
-              f"best {row['best_rate']:.2f}  held-out best {last_eval['eval_best_rate']:.2f}",
+        key, second = task.HEADLINE
+        print(f"step {row['step']:4d}/{c.steps}  reward {reward}  {second} {row[second]:.2f}  "
+              f"{key} {row[key]:.2f}  held-out {key} {last_eval['eval_' + key]:.2f}",
               end=end, file=sys.stderr)
 
 
-def finish(c: Config, out: Path, state: dict, watch, stopped, seconds: float, say) -> dict:
+def finish(c: Config, task, out: Path, state: dict, watch, stopped, seconds: float, say) -> dict:
     """Write summary.json and curves.png; print the one-line summary."""
     first, last = state["first_eval"], state["last_eval"]
     summary = dict(steps=state["step"], updates=state["updates"], collapses=state["collapses"],
                    crash_rate=state["collapses"] / state["updates"] if state["updates"] else 0.0,
                    skipped_nonfinite=state["skipped"], alert_episodes=watch.episodes,
-                   stopped=stopped,
-                   eval_best_rate_start=first["eval_best_rate"],
-                   eval_best_rate_end=last["eval_best_rate"],
-                   eval_valid_rate_start=first["eval_valid_rate"],
-                   eval_valid_rate_end=last["eval_valid_rate"],
-                   eval_fallback_rate_end=last["eval_fallback_rate"],
-                   eval_junk_rate_end=last["eval_junk_rate"],
-                   ended_off_format=last["eval_valid_rate"] < 0.5,
-                   eval_reward_mean_end=last["eval_reward_mean"],
+                   stopped=stopped)
+    for key in task.HEADLINE:
+        summary[f"eval_{key}_start"] = first[f"eval_{key}"]
+    for key, v in last.items():                     # eval_<rate>_end for every held-out rate
+        summary[f"{key}_end"] = v
+    negative = [r["frac_adv_negative"] for r in plots.read_metrics(out) if "frac_adv_negative" in r]
+    summary.update(ended_off_format=last[f"eval_{task.FORMAT_KEY}"] < 0.5,
+                   frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,
                    eval_value_rmse_end=last.get("eval_value_rmse"),
                    seconds=round(seconds, 1), out=str(out))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plots.plot_run(out)
-    say(f"{'stopped' if stopped else 'done'} in {summary['seconds']}s: held-out best "
-        f"{summary['eval_best_rate_start']:.2f} -> {summary['eval_best_rate_end']:.2f}, valid "
-        f"{summary['eval_valid_rate_start']:.2f} -> {summary['eval_valid_rate_end']:.2f}, crash rate "
-        f"{state['collapses']}/{state['updates']}; files in {out}/ (curves.png)")
+    headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
+                         for key in task.HEADLINE)
+    say(f"{'stopped' if stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "
+        f"rate {state['collapses']}/{state['updates']}; files in {out}/ (curves.png)")
     return summary
 
 

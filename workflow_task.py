@@ -13,10 +13,31 @@ The warm-start mix imitates report 001's starting point (570 outputs: 57.2% vali
 42.8% `### Step 1: ...` fallback text; top patterns in its section 3.2). Within the valid
 share we give the best workflow probability BEST_SHARE_OF_VALID; the report does not say
 how often the 0.2-or-1.0 patterns were right, so that number is our choice.
+
+The task's interface to train.py and policy.py (tool_task.py has the same one):
+prompts(split), sample(...) -> (Rollout with rewards, outcomes), rates(outcomes),
+describe(...), warmstart_batch(rng, n), vocabulary(), fingerprint(), HEADLINE, FORMAT_KEY.
 """
 import random
 
+import torch
+
+import policy
+import rollout
+import rewards
 from rewards import OPERATORS
+
+NAME = "dsl"
+# The DSL explained once, for a real instruction-tuned model (--model); the tiny model
+# learns the format from the warm-up instead.
+SYSTEM_PROMPT = ("Answer with a workflow in this DSL and nothing else. Operators: "
+                 "Custom, Programmer, Review, Revise, ScEnsemble, AnswerGenerate, Test, Format. "
+                 "Chain with '->'; a conditional is 'A ? B : done'. "
+                 "Example: Custom -> Programmer -> Review ? Revise : done")
+MAX_POSITIONS = 128          # the tiny model's context: prompt + one completion
+HEADLINE = ("best_rate", "valid_rate")   # the rates the progress line and the summary show
+FORMAT_KEY = "valid_rate"                # on-format share: a collapse halves it
+ENDS_WITH_EOS = True                     # a completion ends with the EOS token
 
 BEST_WORKFLOW = {
     "code": "Custom -> Programmer -> Review ? Revise : done",
@@ -66,6 +87,10 @@ VALID_SHARE = 0.572          # report 001: 326 / 570
 BEST_SHARE_OF_VALID = 0.35   # our choice: P(best | valid DSL) in the warm-start data
 
 
+def prompts(split: str) -> list[dict]:
+    return make_prompts(split)
+
+
 def prompt_text(ptype: str, verb: str, obj: str) -> str:
     return f"Problem ( {ptype} ) : {verb} {obj} . Workflow :"
 
@@ -91,6 +116,44 @@ def warmstart_completion(ptype: str, rng: random.Random) -> str:
         return BEST_WORKFLOW[ptype]
     others = {p: c for p, c in REPORT_TOP_PATTERNS.items() if p != BEST_WORKFLOW[ptype]}
     return rng.choices(list(others), weights=list(others.values()))[0]
+
+
+def warmstart_batch(rng: random.Random, n: int) -> list[list[tuple[str, bool]]]:
+    """n supervised examples, each a list of (text, trained) segments: the prompt (not
+    trained on) and a completion from the mix (trained on, its EOS added by policy.py)."""
+    chosen = rng.choices(make_prompts("train"), k=n)
+    return [[(p["text"], False), (warmstart_completion(p["type"], rng), True)] for p in chosen]
+
+
+def fingerprint() -> dict:
+    """Everything that shapes the warm start besides the policy's own settings."""
+    return {"vocab": vocabulary(), "mix": [VALID_SHARE, BEST_SHARE_OF_VALID, REPORT_TOP_PATTERNS,
+                                           FALLBACK_TEXTS, BEST_WORKFLOW]}
+
+
+# ---- rollouts and their scores (train.py) ----
+
+def sample(model, tok, prompts: list, k: int, c, ref_model=None, value_head=None, old_logp=True):
+    """K completions per prompt, scored: (Rollout with rewards (N,), classes)."""
+    texts = [policy.format_prompt(tok, p["text"], SYSTEM_PROMPT) for p in prompts]
+    batch = rollout.sample(model, tok, texts, k, c.max_new_tokens, c.temperature, ref_model,
+                           value_head, old_logp, c.micro_batch or None, c.compile)
+    bests = [p["best"] for p in prompts for _ in range(k)]
+    classes = [rewards.classify(t, b) for t, b in zip(batch.texts, bests)]
+    batch.rewards = torch.tensor([rewards.DSL_REWARD[cl] for cl in classes])     # (N,)
+    return batch, classes
+
+
+def rates(classes: list) -> dict:
+    n = len(classes)
+    share = {c: sum(x == c for x in classes) / n for c in ("best", "valid", "fallback", "junk")}
+    return dict(best_rate=share["best"], valid_rate=share["best"] + share["valid"],
+                fallback_rate=share["fallback"], junk_rate=share["junk"])
+
+
+def describe(text: str, cls: str) -> dict:
+    """One sample for samples.jsonl."""
+    return dict(text=text, cls=cls)
 
 
 def vocabulary() -> list[str]:

@@ -17,6 +17,23 @@ def test_token_logprobs_equal_naive_log_softmax_gather():
     torch.testing.assert_close(grpo.token_logprobs(logits, ids), naive)
 
 
+def test_chunked_logprobs_and_entropy_equal_one_pass(monkeypatch):
+    """A large vocabulary is handled a few rows at a time; the result is the same."""
+    model = tiny_model()
+    batch = synthetic_batch(model)
+    args = (model, batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask)
+    whole = grpo.completion_logprobs(*args, with_entropy=True)
+    monkeypatch.setattr(grpo, "LOGITS_CHUNK_ELEMENTS", 3 * 6 * 20)          # 3 rows per chunk
+    assert grpo.rows_per_chunk(6, 20) == 3
+    chunked = grpo.completion_logprobs(*args, with_entropy=True)
+    for a, b in zip(whole, chunked):
+        torch.testing.assert_close(a, b)
+    logits = torch.randn(5, 6, 20, dtype=torch.bfloat16)
+    ids = torch.randint(0, 20, (5, 6))
+    naive = torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(grpo.token_logprobs(logits, ids), naive)       # bf16 in, fp32 out
+
+
 def test_token_entropy_equals_definition():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 11, generator=gen)

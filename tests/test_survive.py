@@ -14,6 +14,7 @@ import checkpoint
 import config
 import monitor
 import train
+import workflow_task
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,13 +89,13 @@ def test_too_many_skips_stop_the_run_with_a_checkpoint_of_the_last_good_weights(
 
 
 def test_non_finite_rewards_skip_the_update_and_are_never_averaged_in(tmp_path, monkeypatch):
-    real_score = train.score
+    real_sample = workflow_task.sample
 
-    def score(texts, prompts, k):
-        r, classes = real_score(texts, prompts, k)
-        r[0] = float("nan")
-        return r, classes
-    monkeypatch.setattr(train, "score", score)
+    def sample(*args, **kw):
+        batch, classes = real_sample(*args, **kw)
+        batch.rewards[0] = float("nan")
+        return batch, classes
+    monkeypatch.setattr(workflow_task, "sample", sample)
     train.train(config.parse_config(flags(tmp_path, "run")))
     rows = read(tmp_path / "run" / "metrics.jsonl")[1:]
     for r in rows:

@@ -25,12 +25,28 @@ def fresh(seed=0, **kw):
 
 def test_a_good_episode_looks_up_then_answers():
     env = fresh()
-    param, value = KNOWLEDGE_BASE[env.benchmark]
+    param, value = env.solution
     obs, done, info = env.step(call("query_knowledge_base", topic=env.benchmark))
     assert obs.startswith("<tool_response>") and param in obs and not done
     assert info["failure"] is None and info["tool_success"] and info["correct_call"]
     obs, done, info = env.step(f"<answer>{param}={value}</answer>")
     assert done and info["correct"] and obs == ""
+
+
+def test_the_answer_needs_the_tool_the_value_changes_between_episodes():
+    values = {}
+    for seed in range(200):
+        env = fresh(seed)
+        values.setdefault(env.benchmark, set()).add(env.solution[1])
+    assert all(len(v) == len(KNOWLEDGE_BASE[b][1]) for b, v in values.items())
+    env = fresh(3)
+    obs, _, _ = env.step(call("query_knowledge_base", topic=env.benchmark))
+    assert f"{env.solution[0]} , recommended value {env.solution[1]}" in obs
+
+
+def test_a_failed_call_is_answered_with_its_kind():
+    obs, done, info = fresh().step("<tool_call>{oops}</tool_call>")
+    assert obs == "<tool_response> error : malformed_json </tool_response>" and not done
 
 
 @pytest.mark.parametrize("text, kind", [
@@ -66,7 +82,7 @@ def test_turn_limit_ends_the_episode():
 
 def test_rewards_against_hand_arithmetic():
     env = fresh()
-    param, value = KNOWLEDGE_BASE[env.benchmark]
+    param, value = env.solution
     ep = [env.step(call("query_knowledge_base", topic=env.benchmark))[2],
           env.step("<tool_call>{oops}</tool_call>")[2],
           env.step(f"<answer>{param}={value}</answer>")[2]]

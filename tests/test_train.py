@@ -6,6 +6,7 @@ import pytest
 import config
 import policy
 import train
+import workflow_task
 
 REQUIRED = ["step", "reward_mean", "reward_std", "valid_rate", "best_rate", "fallback_rate",
             "frac_zero_std_groups", "adv_abs_mean", "frac_adv_pm1", "loss", "kl", "entropy",
@@ -51,7 +52,7 @@ def test_same_seed_gives_identical_metrics(tmp_path):
 
 def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     # Any local causal LM folder works; here, the tiny model saved the way users save theirs.
-    model, tok = policy.tiny_policy(16, 1, 10, 3e-3, 16, 0, tmp_path / "cache", log=lambda s: None)
+    model, tok = policy.tiny_policy(workflow_task, 16, 1, 10, 3e-3, 16, 0, tmp_path / "cache", log=lambda s: None)
     model.save_pretrained(tmp_path / "local")
     tok.save_pretrained(tmp_path / "local")
     summary = train.train(config.parse_config(quick(tmp_path, "local_run", "--model", str(tmp_path / "local"))))
@@ -76,6 +77,10 @@ def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     (["--k", "two"], "--k"),
     (["--out", "/proc/not-writable"], "--out"),
     (["--no-such-flag"], "--no-such-flag"),
+    (["--task", "tools", "--max-turns", "0"], "--max-turns"),
+    (["--task", "tools", "--reward", "bogus"], "--reward"),
+    (["--task", "chess"], "--task"),
+    (["--compile", "--device", "cpu"], "--compile"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -94,3 +99,17 @@ def test_compare_runs_every_setting_over_seeds_and_writes_table_and_figure(tmp_p
     assert "`--k 2 --norm group`" in table and "`--k 4 --norm global`" in table
     assert (tmp_path / "cmp" / "compare.png").is_file()
     assert (tmp_path / "cmp" / "runs" / "k_2_norm_group" / "s1" / "metrics.jsonl").is_file()
+
+
+def test_fast_path_takes_the_same_first_step(tmp_path):
+    """--fast (old log-probs from the update's forward, length-sorted trimmed micro-batches)
+    computes the same loss, gradient and KL as the plain path on the same rollouts."""
+    rows = {}
+    for name, extra in [("plain", []), ("fast", ["--fast"])]:
+        argv = quick(tmp_path, name, "--steps", "1", "--beta", "0.05", "--micro-batch", "2", *extra)
+        train.train(config.parse_config(argv))
+        rows[name] = read(tmp_path / name / "metrics.jsonl")[1]
+    plain, fast = rows["plain"], rows["fast"]
+    assert plain["reward_mean"] == fast["reward_mean"] and fast["updated"]
+    for key in ["loss", "grad_norm", "kl", "entropy"]:
+        assert fast[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key

@@ -1,0 +1,310 @@
+"""Benchmark: seconds per GRPO step of this codebase, and of TRL's GRPOTrainer on the same work.
+
+    python bench.py                                     # tiny model: s/step, time split, tokens/s, peak memory
+    python bench.py --config 25m --vs-trl --json results/bench/25m.json
+    python bench.py --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
+    python bench.py logprobs                            # peak extra memory of grpo.token_logprobs
+
+The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
+sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
+are Qwen2ForCausalLM built from a config with random weights (seed 0), with a word-level
+tokenizer built in code; prompts are 16 random words; the reward is the share of even token
+ids (cheap, and the same for both). Each run is a subprocess of its own, so its peak memory is
+its own (RSS on the CPU, torch.cuda.max_memory_allocated on a GPU); with --vs-trl ours and
+TRL's runs alternate, --pairs times, and each reports the median step time after --warmup
+steps. Ours runs with --fast (old log-probs from the update's forward, as TRL does) unless
+--plain.
+
+TRL is not a dependency of this project. Install it only to run --vs-trl, next to the pinned
+torch (which then stays as it is):  pip install trl==1.16.0
+"""
+import argparse
+import contextlib
+import copy
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+CONFIGS = {   # model shape and the work per step
+    "tiny": dict(vocab=3072, hidden=128, layers=2, heads=4, kv=2, inter=512, b=8, k=8, new=32, prompt=16),
+    "25m": dict(vocab=8192, hidden=512, layers=6, heads=8, kv=4, inter=1792, b=8, k=8, new=32, prompt=16),
+    "qwen0.5b": dict(vocab=151936, hidden=896, layers=24, heads=14, kv=2, inter=4864, b=32, k=8, new=256,
+                     prompt=64),
+}
+BETA, LR = 0.04, 1e-6
+
+
+def build(cfg: dict):
+    """(model, tokenizer): random weights from seed 0, words w0..wV as the vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import policy
+    tok = policy.build_tokenizer([f"w{i}" for i in range(cfg["vocab"] - len(policy.SPECIAL))])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=cfg["hidden"], intermediate_size=cfg["inter"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv"],
+        max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
+    return model, tok
+
+
+def prompts(cfg: dict, n: int, seed: int) -> list:
+    rng = random.Random(seed)
+    return [" ".join(f"w{rng.randrange(cfg['vocab'] - 3)}" for _ in range(cfg["prompt"])) for _ in range(n)]
+
+
+def even_share(ids_rows: list) -> list:
+    """The benchmark's reward: the share of even token ids in each completion."""
+    return [sum(i % 2 == 0 for i in ids) / max(1, len(ids)) for ids in ids_rows]
+
+
+def peak_mb(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024       # KiB on Linux
+
+
+# ---- ours: the trainer's own functions, timed piece by piece ----
+
+def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str) -> dict:
+    import advantages
+    import grpo
+    import rollout
+    model, tok = build(cfg)
+    model.to(device)
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    amp = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    spent = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return wrapper
+    model.generate = timed("generate", model.generate)
+    logprobs = grpo.completion_logprobs
+
+    def which_logprobs(m, *a, **kw):          # the reference's forward, or the policy's old log-probs
+        name = "reference" if m is ref else "old_logprobs"
+        return timed(name, logprobs)(m, *a, **kw)
+    rollout.completion_logprobs = which_logprobs
+    opt.step = timed("optimizer", opt.step)
+    n, times, split, tokens = cfg["b"] * cfg["k"], [], [], []
+    for step in range(steps):
+        spent.clear()
+        t0 = time.perf_counter()
+        with amp():
+            batch = rollout.sample(model, tok, prompts(cfg, cfg["b"], step), cfg["k"], cfg["new"], 1.0,
+                                   ref, old_logp=not fast)
+        t1 = time.perf_counter()
+        ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask)]
+        batch.rewards = torch.tensor(even_share(ids))
+        batch.advantages = advantages.compute(batch.rewards, cfg["k"], "group").to(device)
+        spent["reward"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        with amp():
+            grpo.update(model, opt, batch, epochs=1, mini_batch=n, micro_batch=n, clip_eps=0.2,
+                        clip_eps_high=0.2, beta=BETA, kl_estimator="k3", kl_in_loss=True,
+                        entropy_coef=0.0, agg="token-mean", max_len=cfg["new"], max_grad_norm=1.0,
+                        temperature=1.0, seed=step, fast=fast)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        spent["policy_fwd_bwd"] = time.perf_counter() - t2 - spent.get("optimizer", 0.0)
+        spent["other"] = total - sum(spent.values())
+        times.append(total)
+        split.append(dict(spent))
+        tokens.append(int(batch.completion_mask.sum()))
+    return dict(times=times, split=split, tokens=tokens, peak_mb=peak_mb(device))
+
+
+# ---- TRL's GRPOTrainer on the same model, prompts and sizes ----
+
+def run_trl(cfg: dict, steps: int, bf16: bool, device: str) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    model, tok = build(cfg)
+    n = cfg["b"] * cfg["k"]
+    data = Dataset.from_dict({"prompt": [p for s in range(steps) for p in prompts(cfg, cfg["b"], s)]})
+    times = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t0)
+
+    def reward(completion_ids=None, **kw):
+        return even_share(completion_ids)
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=n, num_generations=cfg["k"],
+                          max_completion_length=cfg["new"], beta=BETA, num_iterations=1,
+                          max_steps=steps, learning_rate=LR, temperature=1.0, top_k=0, top_p=1.0,
+                          bf16=bf16, gradient_checkpointing=False, use_cpu=device == "cpu",
+                          report_to="none", save_strategy="no", logging_steps=10 ** 6,
+                          disable_tqdm=True, shuffle_dataset=False, seed=0, dataloader_num_workers=0)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=tok, callbacks=[Clock()])
+        trainer.train()
+    return dict(times=times, peak_mb=peak_mb(device))
+
+
+# ---- the log-prob function's memory on Qwen-sized logits ----
+
+def rss_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def run_logprobs(shape: tuple, dtype: str, how: str) -> dict:
+    """Peak RSS above the logits tensor while computing log-probs from it (no grad)."""
+    import grpo
+    logits = torch.randn(shape, dtype=getattr(torch, dtype))           # pages touched
+    ids = torch.randint(0, shape[-1], shape[:-1])
+    with open("/proc/self/clear_refs", "w") as f:                       # reset the peak (VmHWM)
+        f.write("5")
+    base = rss_mb("VmRSS")
+    with torch.no_grad():
+        if how == "ours":
+            grpo.token_logprobs(logits, ids)
+        else:                                                           # the naive formula
+            torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    size = logits.numel() * logits.element_size() / 2 ** 20
+    return dict(extra_mb=rss_mb("VmHWM") - base, logits_mb=size)
+
+
+def logprobs_report(args) -> None:
+    full = (64, 256, 151936)
+    print(f"peak extra memory of log-probs from logits of shape {full} (V = Qwen's vocabulary), no grad;\n"
+          f"'x logits' = the extra memory in units of the logits tensor it was given:")
+    for how, rows in (("ours", 64), ("naive", 8)):          # naive at 8 rows: 64 would need ~3x 10 GB
+        for dtype in ("bfloat16", "float32"):
+            cmd = [sys.executable, __file__, "--worker", "logprobs", "--shape", f"{rows},256,151936",
+                   "--dtype", dtype, "--how", how]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"bench.py: logprobs run failed:\n{out.stderr[-2000:]}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  {how:5s} {dtype:8s} ({rows}, 256, 151936): logits {r['logits_mb']:7.0f} MB, extra "
+                  f"{r['extra_mb']:7.0f} MB = {r['extra_mb'] / r['logits_mb']:.2f} x logits")
+
+
+# ---- the driver: subprocesses, alternating, medians ----
+
+def worker(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker == "logprobs":
+        return run_logprobs(tuple(map(int, args.shape.split(","))), args.dtype, args.how)
+    cfg = CONFIGS[args.config]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.worker == "trl":
+        return run_trl(cfg, args.steps, args.bf16, device)
+    return run_ours(cfg, args.steps, args.bf16, not args.plain, device)
+
+
+def launch(args, who: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", who, "--config", args.config, "--steps", str(args.steps),
+           "--threads", str(args.threads)] + ["--bf16"] * args.bf16 + ["--plain"] * args.plain
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"bench.py: the {who} run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summarise(run: dict, warmup: int) -> dict:
+    s = dict(s_per_step=statistics.median(run["times"][warmup:]), peak_mb=run["peak_mb"])
+    if "split" in run:
+        keys = run["split"][0].keys()
+        s["split"] = {k: statistics.median(x.get(k, 0.0) for x in run["split"][warmup:]) for k in keys}
+        gen = [x["generate"] for x in run["split"][warmup:]]
+        s["tokens_per_s"] = statistics.median(t / g for t, g in zip(run["tokens"][warmup:], gen))
+    return s
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs"))
+    p.add_argument("--config", default="tiny", choices=tuple(CONFIGS))
+    p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the medians")
+    p.add_argument("--pairs", type=int, default=3, help="--vs-trl: alternating (ours, TRL) runs")
+    p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer (pip install trl)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (ours) / bf16=True (TRL)")
+    p.add_argument("--plain", action="store_true", help="ours without --fast")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run; 0 = torch's default")
+    p.add_argument("--json", default="", help="also write the figures to this file")
+    p.add_argument("--worker", choices=("ours", "trl", "logprobs"), help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    p.add_argument("--dtype", help=argparse.SUPPRESS)
+    p.add_argument("--how", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    if args.what == "logprobs":
+        return logprobs_report(args)
+    if args.vs_trl:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            p.error("--vs-trl needs TRL: pip install trl==1.16.0 (see the README, Performance)")
+    cfg = CONFIGS[args.config]
+    ours, theirs = [], []
+    for _ in range(args.pairs if args.vs_trl else 1):
+        ours.append(summarise(launch(args, "ours"), args.warmup))
+        if args.vs_trl:
+            theirs.append(summarise(launch(args, "trl"), args.warmup))
+    device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"{args.config}: B={cfg['b']} x K={cfg['k']}, {cfg['new']} new tokens, beta {BETA}, one update per "
+          f"step, {'bf16' if args.bf16 else 'fp32'}, {device}; medians of steps {args.warmup + 1}..{args.steps}")
+    for i, o in enumerate(ours):
+        split = "  ".join(f"{k} {v:.3f}" for k, v in o["split"].items())
+        line = f"  ours{' (plain)' if args.plain else ''}: {o['s_per_step']:.3f} s/step  [{split}]  " \
+               f"{o['tokens_per_s']:.0f} generated tokens/s  peak {o['peak_mb']:.0f} MB"
+        if theirs:
+            t = theirs[i]
+            line += f"\n  TRL:  {t['s_per_step']:.3f} s/step  peak {t['peak_mb']:.0f} MB  " \
+                    f"-> ratio ours/TRL {o['s_per_step'] / t['s_per_step']:.2f}"
+        print(line)
+    result = dict(config=dict(name=args.config, **cfg, beta=BETA, bf16=args.bf16, fast=not args.plain,
+                              steps=args.steps, warmup=args.warmup, device=device),
+                  ours_s_per_step=statistics.median(o["s_per_step"] for o in ours),
+                  ours_peak_mb=max(o["peak_mb"] for o in ours), ours_split=ours[0]["split"],
+                  ours_tokens_per_s=statistics.median(o["tokens_per_s"] for o in ours))
+    if theirs:
+        ratios = [o["s_per_step"] / t["s_per_step"] for o, t in zip(ours, theirs)]
+        result.update(trl_s_per_step=statistics.median(t["s_per_step"] for t in theirs),
+                      trl_peak_mb=max(t["peak_mb"] for t in theirs), ratio=statistics.median(ratios),
+                      ratios=ratios)
+        print(f"  median ratio ours/TRL over {len(ratios)} pairs: {result['ratio']:.2f}; peak memory "
+              f"ours {result['ours_peak_mb']:.0f} MB vs TRL {result['trl_peak_mb']:.0f} MB")
+    if args.json:
+        from pathlib import Path
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The tool-calling task of report 000 for train.py: `python train.py --task tools --reward shaped`.
+
+An episode is a ToolEnv episode (tool_env.py): the prompt names a benchmark; the policy
+looks up the setting and value with `query_knowledge_base`, may check them with
+`analyze_config_impact`, and answers `<answer> setting = value </answer>`, within
+--max-turns turns. rewards.py scores the whole episode (--reward sparse | shaped | format).
+
+The warm-start mix (what the tiny model imitates before RL) is our choice; report 000 gives
+only its starting point, a mean reward of about -0.5 under +-1 (a quarter of the episodes
+right). WARMSTART_MIX below is shaped so that a quarter of the demonstrations end with the
+right answer: the format is learned, and tools are called some of the time, imperfectly.
+
+The same interface as workflow_task.py: prompts, sample, rates, describe, warmstart_batch,
+vocabulary, fingerprint, HEADLINE, FORMAT_KEY.
+"""
+import json
+import random
+
+import torch
+
+import policy
+import rewards
+import rollout
+from tool_env import FAILURES, KNOWLEDGE_BASE, STOP_STRINGS, ToolEnv
+
+NAME = "tools"
+SYSTEM_PROMPT = (
+    "You tune Linux kernels. Think in <think>...</think>, then either call one tool as "
+    '<tool_call>{"name": ..., "arguments": {...}}</tool_call> or give the final answer as '
+    "<answer> setting = value </answer>. Tools: query_knowledge_base(topic: str) returns the "
+    "setting a benchmark depends on and its recommended value; analyze_config_impact(param: "
+    "str, value: str) says whether a value is recommended.")
+MAX_POSITIONS = 256          # prompt + up to 3 turns and 2 tool responses
+HEADLINE = ("accuracy", "tool_success_rate")
+FORMAT_KEY = "wellformed_rate"
+ENDS_WITH_EOS = False        # an episode ends at </answer> (a stop string), not at EOS
+TRAIN_SEEDS, EVAL_SEEDS = range(512), range(1_000_000, 1_000_032)
+ALL_VALUES = sorted({v for _, values in KNOWLEDGE_BASE.values() for v in values}, key=int)
+
+# What a warm-start demonstration does (shares sum to 1). Only "lookup" and "lookup_check"
+# end right; "guess" is right when the guessed value happens to be the recommended one.
+WARMSTART_MIX = {
+    "lookup": 0.20,          # query the right benchmark, copy setting and value into the answer
+    "lookup_check": 0.05,    # the same, with analyze_config_impact between query and answer
+    "wrong_topic": 0.15,     # query another benchmark and copy its (wrong) answer
+    "malformed": 0.15,       # a call with one closing brace missing, then a guess
+    "unknown_tool": 0.10,    # a call to a tool that does not exist, then a guess
+    "guess": 0.35,           # answer at once: the right setting, a value from ALL_VALUES
+}
+
+
+# ---- texts (every word below is in the tiny tokenizer's vocabulary) ----
+
+def call_text(name: str, args: dict, broken: bool = False) -> str:
+    """A policy turn calling a tool. JSON tokens are separated by spaces as json.dumps
+    writes them; broken drops the last closing brace (malformed JSON)."""
+    body = json.dumps({"name": name, "arguments": args})
+    return f"<think> use a tool </think> <tool_call> {body[:-1] if broken else body} </tool_call>"
+
+
+def answer_text(param: str, value: str) -> str:
+    return f"<think> answer now </think> <answer> {param} = {value} </answer>"
+
+
+def demonstration(seed: int, rng: random.Random) -> list[tuple[str, bool]]:
+    """One warm-start episode as (text, trained) segments, played against a real ToolEnv so
+    the tool responses are exactly those the environment gives."""
+    env = ToolEnv()
+    segments = [(env.reset(seed=seed), False)]
+    param, value = env.solution
+    kind = rng.choices(list(WARMSTART_MIX), weights=list(WARMSTART_MIX.values()))[0]
+    other = rng.choice([b for b in KNOWLEDGE_BASE if b != env.benchmark])
+    turns = {
+        "lookup": [call_text("query_knowledge_base", {"topic": env.benchmark}), answer_text(param, value)],
+        "lookup_check": [call_text("query_knowledge_base", {"topic": env.benchmark}),
+                         call_text("analyze_config_impact", {"param": param, "value": value}),
+                         answer_text(param, value)],
+        "wrong_topic": [call_text("query_knowledge_base", {"topic": other}), answer_text(*env.kb[other])],
+        "malformed": [call_text("query_knowledge_base", {"topic": env.benchmark}, broken=True),
+                      answer_text(param, rng.choice(ALL_VALUES))],
+        "unknown_tool": [call_text(rng.choice(["search", "lookup"]), {"topic": env.benchmark}),
+                         answer_text(param, rng.choice(ALL_VALUES))],
+        "guess": [answer_text(param, rng.choice(ALL_VALUES))],
+    }[kind]
+    for text in turns:
+        observation, done, _ = env.step(text)
+        segments.append((text, True))
+        if not done:
+            segments.append((" " + observation + " ", False))    # as rollout.py inserts it
+    return segments
+
+
+def warmstart_batch(rng: random.Random, n: int) -> list[list[tuple[str, bool]]]:
+    return [demonstration(rng.choice(TRAIN_SEEDS), rng) for _ in range(n)]
+
+
+def vocabulary() -> list[str]:
+    """Every word of the prompts, the demonstrations and the environment's responses."""
+    env, texts = ToolEnv(), []
+    for seed in range(200):                       # every benchmark, with several knowledge bases
+        texts.append(env.reset(seed=seed))
+    for bench, (param, _) in KNOWLEDGE_BASE.items():
+        for value in ALL_VALUES:
+            texts += [call_text("query_knowledge_base", {"topic": bench}),
+                      call_text("query_knowledge_base", {"topic": bench}, broken=True),
+                      call_text("analyze_config_impact", {"param": param, "value": value}),
+                      answer_text(param, value),
+                      f"the {bench} benchmark depends on {param} , recommended value {value}",
+                      f"{param} = {value} is not recommended , recommended value {value}"]
+            texts += [call_text(t, {"topic": bench}) for t in ("search", "lookup")]
+    texts += [f"<tool_response> error : {kind} </tool_response>" for kind in FAILURES]
+    return sorted({w for t in texts for w in t.split()})
+
+
+def fingerprint() -> dict:
+    return {"task": NAME, "vocab": vocabulary(), "mix": WARMSTART_MIX,
+            "kb": {b: [p, list(v)] for b, (p, v) in KNOWLEDGE_BASE.items()}}
+
+
+def prompts(split: str) -> list[dict]:
+    """Training or held-out episodes: dicts with the env seed and the prompt text."""
+    seeds = TRAIN_SEEDS if split == "train" else EVAL_SEEDS
+    return [{"seed": s, "text": ToolEnv().reset(seed=s)} for s in seeds]
+
+
+# ---- rollouts and their scores (train.py) ----
+
+def episode_reward(episode: list, turns: list, c) -> float:
+    if c.reward == "sparse":
+        return rewards.sparse_reward(episode)
+    if c.reward == "format":
+        return rewards.format_reward(episode, turns)
+    return rewards.shaped_reward(episode, process=not c.drop_process_reward, clip=c.reward_clip or None)
+
+
+def sample(model, tok, prompts: list, k: int, c, ref_model=None, value_head=None, old_logp=True):
+    """K episodes per prompt (each of the K against its own ToolEnv with the prompt's seed),
+    scored by --reward: (Rollout with rewards (N,), outcomes: (infos, turns) per episode)."""
+    envs = []
+    for p in prompts:
+        for _ in range(k):
+            envs.append(ToolEnv(max_turns=c.max_turns))
+            envs[-1].reset(seed=p["seed"])
+    texts = [policy.format_prompt(tok, p["text"], SYSTEM_PROMPT) for p in prompts]
+    batch, infos, turns = rollout.sample_episodes(model, tok, texts, envs, k, c.max_new_tokens,
+                                                  c.temperature, STOP_STRINGS, ref_model, value_head,
+                                                  old_logp, c.micro_batch or None)
+    batch.rewards = torch.tensor([episode_reward(e, t, c) for e, t in zip(infos, turns)])  # (N,)
+    return batch, list(zip(infos, turns))
+
+
+def rates(outcomes: list) -> dict:
+    """accuracy: episodes answered right; answer_rate: episodes with any answer;
+    tool_calls: calls per episode; tool_success_rate: calls that returned a result / calls
+    (0 without calls); wellformed_rate: episodes where no turn failed; failure/<kind>:
+    turns that failed so, per episode."""
+    episodes = [info for info, _ in outcomes]
+    n = len(episodes)
+    calls = sum(t["tool"] is not None or t["failure"] == "malformed_json" for e in episodes for t in e)
+    successes = sum(t["tool_success"] for e in episodes for t in e)
+    out = dict(accuracy=sum(rewards.answered_correctly(e) for e in episodes) / n,
+               answer_rate=sum(any(t["answered"] for t in e) for e in episodes) / n,
+               tool_calls=calls / n, tool_success_rate=successes / calls if calls else 0.0,
+               wellformed_rate=sum(not any(t["failure"] for t in e) for e in episodes) / n,
+               turns=sum(len(e) for e in episodes) / n)
+    for kind in FAILURES:
+        out[f"failure/{kind}"] = sum(t["failure"] == kind for e in episodes for t in e) / n
+    return out
+
+
+def describe(text: str, outcome) -> dict:
+    """One episode for samples.jsonl: the whole transcript and each turn's failure."""
+    episode, _ = outcome
+    return dict(text=text, failures=[t["failure"] for t in episode],
+                correct=rewards.answered_correctly(episode))
