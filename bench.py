@@ -153,13 +153,16 @@ def run_trl(cfg: dict, steps: int, bf16: bool, device: str) -> dict:
     def reward(completion_ids=None, **kw):
         return even_share(completion_ids)
     with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(output_dir=out, per_device_train_batch_size=n, num_generations=cfg["k"],
+        # TRL builds its reference model from the policy's folder: save the same weights there.
+        model.save_pretrained(f"{out}/model")
+        tok.save_pretrained(f"{out}/model")
+        args = GRPOConfig(output_dir=out, model_init_kwargs={"dtype": "float32"}, per_device_train_batch_size=n, num_generations=cfg["k"],
                           max_completion_length=cfg["new"], beta=BETA, num_iterations=1,
                           max_steps=steps, learning_rate=LR, temperature=1.0, top_k=0, top_p=1.0,
                           bf16=bf16, gradient_checkpointing=False, use_cpu=device == "cpu",
                           report_to="none", save_strategy="no", logging_steps=10 ** 6,
                           disable_tqdm=True, shuffle_dataset=False, seed=0, dataloader_num_workers=0)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+        trainer = GRPOTrainer(model=f"{out}/model", reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tok, callbacks=[Clock()])
         trainer.train()
     return dict(times=times, peak_mb=peak_mb(device))

@@ -116,21 +116,27 @@ def main(argv=None):
     common = shlex.split(args.common)
     for s in args.settings:                       # fail on a bad setting before any run
         config.parse_config(common + shlex.split(s) + ["--out", str(args.out)])
+    columns = [x for x in args.columns.split(",") if x]
+    results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","), columns)
+    print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")
+    print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
+
+
+def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("eval_best_rate",),
+                 columns=(), title: str = "", log=print) -> dict:
+    """Run every setting over seeds into out/runs/<setting>/s<seed>/; write out/table.md,
+    out/summaries.json and out/compare.png; return {setting: [summary per seed]}."""
     results = {}
-    for s in args.settings:
+    for s in settings:
         name = " ".join(shlex.split(s))
         slug = name.replace("--", "").replace(" ", "_")
-        results[name] = run_setting(common + shlex.split(s), args.seeds, args.out / "runs" / slug)
-        print(f"finished {name}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    columns = [x for x in args.columns.split(",") if x]
-    text = table(results, columns)
-    print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{text}")
-    (args.out / "table.md").write_text(text + "\n")
-    (args.out / "summaries.json").write_text(json.dumps(results, indent=1))
-    figure(results, args.out / "compare.png", f"{args.seeds} seeds; common: {args.common or 'defaults'}",
-           args.metrics.split(","))
-    print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
+        results[name] = run_setting(shlex.split(common) + shlex.split(s), seeds, out / "runs" / slug)
+        log(f"finished {name}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table(results, columns) + "\n")
+    (out / "summaries.json").write_text(json.dumps(results, indent=1))
+    figure(results, out / "compare.png", title or f"{seeds} seeds; common: {common or 'defaults'}", metrics)
+    return results
 
 
 if __name__ == "__main__":

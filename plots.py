@@ -128,6 +128,37 @@ def plot_run(run_dir: Path) -> Path:
     return path
 
 
+def plot_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.bar(list(values), list(values.values()), color=["C0", "C1", "C2", "C3"][:len(values)])
+    ax.set(ylabel=ylabel, title=title)
+    ax.title.set_fontsize(8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_monitor(path: Path, rows: list, title: str) -> Path:
+    """A run's curves with the stability monitor's alerts as shaded steps, one band per alert."""
+    rows = [r for r in rows if "valid_rate" in r]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for key, style in [("valid_rate", "C2-"), ("reward_mean", "C0-"), ("entropy", "C1-"), ("kl", "C4-")]:
+        ys = [r.get(key) for r in rows]
+        if any(y is not None for y in ys):
+            ax.plot(steps, [y if y is not None else float("nan") for y in ys], style, label=key)
+    for i, name in enumerate(["entropy_low", "kl_high", "reward_swing"]):
+        on = [s for s, r in zip(steps, rows) if name in (r.get("alerts") or [])]
+        ax.plot(on, [-0.05 - 0.05 * i] * len(on), "|", color=f"C{i + 5}", ms=8, label=f"alert {name}")
+    ax.set(xlabel="step", title=f"stability monitor (report 002 thresholds) on {title}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
