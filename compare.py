@@ -71,12 +71,18 @@ def table(results: dict, columns=()) -> str:
 
 
 def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -> None:
-    """A row per metric, a column per setting: a thin line per seed and their mean."""
-    fig, axes = plt.subplots(len(metrics), len(results), figsize=(4 * len(results), 3 * len(metrics)),
-                             sharey="row", squeeze=False)
+    """A panel per (metric, setting): a thin line per seed and their mean. Settings run in
+    columns, at most 4 to a row; each metric starts a new block of rows."""
+    cols = min(4, len(results))
+    block = -(-len(results) // cols)                                # rows per metric
+    fig, axes = plt.subplots(block * len(metrics), cols, figsize=(4 * cols, 3 * block * len(metrics)),
+                             squeeze=False)
+    for i in range(len(metrics)):                                   # the unused panels of each block
+        for j in range(len(results), block * cols):
+            axes[i * block + j // cols][j % cols].set_visible(False)
     for j, (name, runs) in enumerate(results.items()):
         for i, key in enumerate(metrics):
-            ax, curves = axes[i][j], []
+            ax, curves = axes[i * block + j // cols][j % cols], []
             for r in runs:
                 rows = [x for x in plots.read_metrics(r["out"]) if x.get(key) is not None]
                 steps = [x["step"] for x in rows]             # step 0 is the warm start
@@ -86,16 +92,19 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
             n = min(map(len, curves))                          # a stopped run is shorter
             mean = [statistics.mean(col) for col in zip(*(ys[:n] for ys in curves))]
             ax.plot(steps[:n], mean, color=f"C{i}", lw=2.5, label=f"mean of {len(runs)} seeds")
-            ax.set(xlabel="step" if i == len(metrics) - 1 else None)
+            ax.set(xlabel="step", ylabel=key)
             if key in ("kl", "kl_coef"):
                 ax.set_yscale("log")
-            if i == 0:
-                ax.set_title("\n".join(textwrap.wrap(name, 42)), fontsize=8)
-            if j == 0:
-                ax.set_ylabel(key)
+            ax.set_title("\n".join(textwrap.wrap(name, 42)), fontsize=8)
             ax.legend(fontsize=7)
+    for i, key in enumerate(metrics):                               # one y range per metric
+        used = [axes[i * block + j // cols][j % cols] for j in range(len(results))]
+        if key not in ("kl", "kl_coef"):
+            low, high = min(ax.get_ylim()[0] for ax in used), max(ax.get_ylim()[1] for ax in used)
+            for ax in used:
+                ax.set_ylim(low, high)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

@@ -194,8 +194,9 @@ def grad_clip(lab: Lab) -> dict:
                 claim="share of runs that collapse: no clipping 35%, max_norm 2.0 12%, 1.0 3%, 0.5 0%",
                 measured="runs ending off-format (K=2, B=3, lr 7e-3): " +
                          ", ".join(f"max_norm {k if k != '0' else 'none'} {v:.0%}" for k, v in collapsed.items()),
-                # rule: the collapse share falls as the clip tightens, and tightest < none
-                verdict="reproduced" if all(a >= b for a, b in zip(rates, rates[1:])) and rates[-1] < rates[0]
+                # rule: the collapse share never rises as the clip tightens, and the tightest clip at
+                # least halves it (the report: 35% -> 0%; one run of six either way is noise)
+                verdict="reproduced" if all(a >= b for a, b in zip(rates, rates[1:])) and rates[-1] <= rates[0] / 2
                 else "not reproduced")
 
 
@@ -251,6 +252,13 @@ def tools(lab: Lab) -> dict:
     r = lab.sweep("tools", ["--reward sparse", "--reward shaped"], "--task tools --steps 150",
                   ("eval_accuracy", "eval_tool_calls", "eval_tool_success_rate", "frac_adv_negative"))
     sparse, shaped = r.values()
+    # rule: tool use dies out under sparse (fewer than half the shaped runs' calls, success
+    # < 0.5); fully reproduced only if the sparse reward also stays near -1 (< -0.8)
+    died = end(sparse, "eval_tool_calls_end") < 0.5 * end(shaped, "eval_tool_calls_end") \
+        and end(sparse, "eval_tool_success_rate_end") < 0.5
+    stuck = end(sparse, "eval_reward_mean_end") < -0.8
+    verdict = "not reproduced" if not died else "reproduced" if stuck else \
+        "partly: tool calling dies out under the sparse reward, but its reward does not stay at -1"
     return dict(report="000", figure="tools/compare.png",
                 claim="with a sparse ±1 reward the agent stops calling tools and the reward stays at -1; "
                       "most advantages are negative; a shaped reward fixes it",
@@ -260,12 +268,7 @@ def tools(lab: Lab) -> dict:
                          f"accuracy {end(sparse, 'eval_accuracy_end'):.2f} vs {end(shaped, 'eval_accuracy_end'):.2f}; "
                          f"held-out reward under sparse {end(sparse, 'eval_reward_mean_end'):.2f}; share A < 0 "
                          f"{end(sparse, 'frac_adv_negative_mean'):.2f} vs {end(shaped, 'frac_adv_negative_mean'):.2f}",
-                # rule: tool use dies out under sparse (< half the shaped runs' calls, success < 0.5)
-                # and the sparse reward stays near -1 (< -0.8)
-                verdict=("reproduced" if end(sparse, "eval_reward_mean_end") < -0.8 else
-                         "partly: tool calling dies out under the sparse reward, but its reward does not stay at -1")
-                if end(sparse, "eval_tool_calls_end") < 0.5 * end(shaped, "eval_tool_calls_end")
-                and end(sparse, "eval_tool_success_rate_end") < 0.5 else "not reproduced")
+                verdict=verdict)
 
 
 # ---- 8. Entropy (reports 000, 002) ----
@@ -290,8 +293,8 @@ def entropy(lab: Lab) -> dict:
                 measured=f"token entropy over the last 10 steps: {no_bonus:.3f} without a bonus, {bonus:.3f} with "
                          f"0.01 -> 0.001 (the 103-word tiny model starts at 0.29, far below the report's ranges); "
                          f"lr 10 (beta 0.1): non-finite steps skipped per run {skipped} without clipping, "
-                         f"{skipped_clip} with max_norm 1 (AdamW's step size does not depend on the gradient's "
-                         f"norm); {stopped}/{len(no_clip + clip)} runs stopped by --max-skips with a checkpoint",
+                         f"{skipped_clip} with max_norm 1; {stopped}/{len(no_clip + clip)} runs stopped by "
+                         f"--max-skips with a checkpoint",
                 # rule: the bonus keeps entropy higher, and the guard caught a non-finite step in every run
                 verdict="reproduced" if bonus > no_bonus and all(s > 0 for s in skipped) else
                 "partly" if bonus > no_bonus else "not reproduced")

@@ -1,9 +1,9 @@
 """Figures of the project, each drawn from real computations or real runs.
 
-    python plots.py advantages            # results/advantages.png: the K=2 +-1 spikes
+    python plots.py advantages            # results/k2_pm1/advantages.png: the K=2 +-1 spikes
     python plots.py run OUT_DIR           # OUT_DIR/curves.png from a run's metrics.jsonl
 
-Every figure in the README is drawn by one of these commands.
+lab.py draws every figure of the README with these functions (and compare.py's).
 """
 import argparse
 import json
@@ -164,7 +164,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="figure", required=True)
     p = sub.add_parser("advantages", help="advantage distributions for K = 2, 4, 8, 16 under each norm")
-    p.add_argument("--out", type=Path, default=Path("results/advantages.png"))
+    p.add_argument("--out", type=Path, default=Path("results/k2_pm1/advantages.png"))
     p = sub.add_parser("run", help="curves of one training run")
     p.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)

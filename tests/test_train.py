@@ -101,12 +101,14 @@ def test_compare_runs_every_setting_over_seeds_and_writes_table_and_figure(tmp_p
     assert (tmp_path / "cmp" / "runs" / "k_2_norm_group" / "s1" / "metrics.jsonl").is_file()
 
 
-def test_fast_path_takes_the_same_first_step(tmp_path):
-    """--fast (old log-probs from the update's forward, length-sorted trimmed micro-batches)
-    computes the same loss, gradient and KL as the plain path on the same rollouts."""
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_fast_path_takes_the_same_first_step(tmp_path, algo):
+    """--fast (old log-probs from the update's forward for GRPO, length-sorted trimmed
+    micro-batches) computes the same loss, gradient and KL as the plain path."""
     rows = {}
     for name, extra in [("plain", []), ("fast", ["--fast"])]:
-        argv = quick(tmp_path, name, "--steps", "1", "--beta", "0.05", "--micro-batch", "2", *extra)
+        argv = quick(tmp_path, name, "--steps", "1", "--beta", "0.05", "--micro-batch", "2",
+                     "--algo", algo, *extra)
         train.train(config.parse_config(argv))
         rows[name] = read(tmp_path / name / "metrics.jsonl")[1]
     plain, fast = rows["plain"], rows["fast"]
