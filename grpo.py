@@ -245,10 +245,12 @@ def update(model, optimizer, batch, *, epochs: int, mini_batch: int, micro_batch
         per_token = -surrogate                                                  # (n, C)
         sums = {}
         if batch.ref_logp is not None:
-            kl_t = kl.estimate(logp, batch.ref_logp[idx][:, cols], kl_estimator)
+            ref = batch.ref_logp[idx][:, cols]
+            kl_t = kl.estimate(logp, ref, kl_estimator)
             if kl_in_loss:
                 per_token = per_token + beta * kl_t
-            sums["ref_kl"] = (kl.estimate(logp.detach(), batch.ref_logp[idx][:, cols], "k3") * mask).sum().item()
+            k3 = kl_t.detach() if kl_estimator == "k3" else kl.estimate(logp.detach(), ref, "k3")
+            sums["ref_kl"] = (k3 * mask).sum().item()
         if entropy_coef > 0:
             per_token = per_token - entropy_coef * ent
         loss = aggregate(per_token, mask, agg, mb_seqs, mb_tokens, max_len)

@@ -32,6 +32,8 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     kl, kl_coef               token-mean k3 estimate of KL(policy || reference) on the step's
                               rollouts, before the update (null without a reference); the
                               beta used this step (kl.py moves it from kl)
+    ref_kl                    the same KL measured in the update's forward (its last epoch);
+                              with --fast and one update per batch it is the `kl` above
     lr, entropy_coef          the step's learning rate and entropy bonus (schedules.py)
     updated                   an optimizer step was taken: false when every advantage is 0
                               (nothing to learn, and AdamW's momentum would still move the
