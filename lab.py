@@ -1,6 +1,6 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python lab.py                        # all nine experiments, 6 seeds per setting (~30 min, 2 CPU cores)
+    python lab.py                        # all nine experiments, 6 seeds per setting (25 min 46 s on 2 CPU cores)
     python lab.py group_norm tools       # some of them
     python lab.py --quick                # all nine, 2 seeds and a few steps each: a smoke test (CI)
     python lab.py --list                 # the experiments and the report each comes from

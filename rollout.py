@@ -177,9 +177,11 @@ def turn_tokens(generated: list, tok, stops, stop_strings) -> list:
     """The tokens of one turn: up to and including the first stop token, EOS, or the end of
     the first stop string; what `generate` padded after that is dropped."""
     ends = set(stops or []) | {tok.eos_token_id}
-    for t, token in enumerate(generated):
-        if token in ends:
-            return generated[:t + 1]
-        if not stops and any(s in tok.decode(generated[:t + 1]) for s in stop_strings):
-            return generated[:t + 1]
-    return generated
+    cut = next((t + 1 for t, token in enumerate(generated) if token in ends), len(generated))
+    generated = generated[:cut]
+    if stops or not any(s in tok.decode(generated) for s in stop_strings):
+        return generated
+    # A stop string spread over several tokens: the shortest prefix that contains it (one
+    # decode of the whole turn above, and this search only when a stop string is there).
+    return next(generated[:t + 1] for t in range(len(generated))
+                if any(s in tok.decode(generated[:t + 1]) for s in stop_strings))

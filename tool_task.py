@@ -7,8 +7,9 @@ looks up the setting and value with `query_knowledge_base`, may check them with
 
 The warm-start mix (what the tiny model imitates before RL) is our choice; report 000 gives
 only its starting point, a mean reward of about -0.5 under +-1 (a quarter of the episodes
-right). WARMSTART_MIX below is shaped so that a quarter of the demonstrations end with the
-right answer: the format is learned, and tools are called some of the time, imperfectly.
+right). In WARMSTART_MIX below a quarter of the demonstrations look the answer up and copy
+it (a few guesses are right by chance): the format is learned, and tools are called some of
+the time, imperfectly.
 
 The same interface as workflow_task.py: prompts, sample, rates, describe, warmstart_batch,
 vocabulary, fingerprint, HEADLINE, FORMAT_KEY.
