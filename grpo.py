@@ -177,15 +177,18 @@ def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch:
     no further epochs. lengths (N,) (--fast): each mini-batch is sorted by length before it
     is cut into micro-batches, so sequences of similar length share a forward and little
     of it is padding (the gradient is the same sum). Returns the last epoch's token means, plus
-    loss, grad_norm, skipped_nonfinite, nonfinite (which quantity), epochs_run.
+    loss and grad_norm (means over the last epoch's mini-batches; grad_norm before clipping),
+    steps_taken (optimizer steps applied, every epoch), skipped_nonfinite, nonfinite (which
+    quantity), epochs_run.
     """
     n = mask.shape[0]
     gen = torch.Generator().manual_seed(seed)
-    skipped, nonfinite, epochs_run = 0, [], 0
+    skipped, steps_taken, nonfinite, epochs_run = 0, 0, [], 0
     for _ in range(epochs):
-        # Shuffle sequences across mini-batches; with one mini-batch the order does not matter.
-        order = torch.randperm(n, generator=gen) if epochs > 1 else torch.arange(n)
-        sums, tokens, losses = {}, 0, []
+        # Shuffle sequences across mini-batches every epoch (CleanRL), so the K samples of a
+        # prompt do not always share an optimizer step; one mini-batch needs no order.
+        order = torch.randperm(n, generator=gen) if mini_batch < n else torch.arange(n)
+        sums, tokens, losses, norms = {}, 0, [], []
         for mb_start in range(0, n, mini_batch):
             mb = order[mb_start:mb_start + mini_batch]
             if lengths is not None:
@@ -202,11 +205,13 @@ def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch:
             tokens += mb_tokens
             losses.append(mb_loss)
             # max_grad_norm = inf measures the norm without clipping.
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            bad = [name for name, v in (("loss", mb_loss), ("grad_norm", grad_norm.item()))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+            norms.append(grad_norm)
+            bad = [name for name, v in (("loss", mb_loss), ("grad_norm", grad_norm))
                    if not math.isfinite(v)]
             if not bad:
                 optimizer.step()
+                steps_taken += 1
             else:              # never apply a NaN/inf step: weights and optimizer state untouched
                 skipped += 1
                 nonfinite = bad
@@ -215,8 +220,9 @@ def optimize(params: list, optimizer, mask, loss_fn, *, epochs: int, mini_batch:
         if target_kl > 0 and sums.get("approx_kl", 0.0) / max(tokens, 1) > target_kl:
             break
     stats = {key: v / max(tokens, 1) for key, v in sums.items()}
-    return dict(stats, loss=sum(losses) / len(losses), grad_norm=grad_norm.item(),
-                skipped_nonfinite=skipped, nonfinite=nonfinite, epochs_run=epochs_run)
+    return dict(stats, loss=sum(losses) / len(losses), grad_norm=sum(norms) / len(norms),
+                steps_taken=steps_taken, skipped_nonfinite=skipped, nonfinite=nonfinite,
+                epochs_run=epochs_run)
 
 
 # ---- one GRPO update on a batch of rollouts ----
@@ -232,8 +238,8 @@ def update(model, optimizer, batch, *, epochs: int, mini_batch: int, micro_batch
     advantages; ref_logp None means no reference; old_logp None means "the policy that
     sampled is this one": one update per batch, old = logp.detach()). fast: length-sorted,
     trimmed micro-batches. Returns loss, entropy, clip_frac, approx_kl, ref_kl (token-mean
-    k3 to the reference, with one), grad_norm (before clipping), epochs_run, and the guard's
-    skipped_nonfinite / nonfinite.
+    k3 to the reference, with one), grad_norm (before clipping, mean over the last epoch's
+    mini-batches), steps_taken, epochs_run, and the guard's skipped_nonfinite / nonfinite.
     """
     def loss_fn(idx, mb_seqs, mb_tokens):
         p_ids, p_mask, c_ids, attn, mask, cols = micro_batch_rows(batch, idx, trim=fast)  # (n, C)

@@ -46,12 +46,22 @@ class ValueHead(nn.Module):
 
 # ---- rewards, advantages and the value loss ----
 
-def token_rewards(rewards, mask, beta: float = 0.0, kl_t=None):
-    """Outcome reward on the last policy token, minus beta * kl on every token. (n, C).
+def last_policy_token(mask):
+    """(n,) the index of each row's last token whose mask is 1 (0 for an all-zero row).
 
-    rewards (n,), mask (n, C) with 1s from position 0 to the sequence's last policy token.
+    Not mask.sum(1) - 1: in a multi-turn episode the environment's tokens (mask 0) sit
+    between the policy's turns, so the 1s are not one unbroken run from position 0."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)     # (C,) 1-based
+    return ((mask > 0) * positions).max(1).values.clamp_min(1) - 1         # (n,)
+
+
+def token_rewards(rewards, mask, beta: float = 0.0, kl_t=None):
+    """Outcome reward on the last policy token, minus beta * kl on every policy token. (n, C).
+
+    rewards (n,), mask (n, C): 1 on the policy's tokens, which may come in several turns
+    with the environment's tokens (0) in between; the reward goes on the last 1 of a row.
     """
-    last = (mask.sum(1) - 1).clamp_min(0)                                   # (n,)
+    last = last_policy_token(mask)                                          # (n,)
     r = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)   # (n, C)
     r[torch.arange(len(last)), last] = rewards.float()
     if kl_t is not None and beta > 0:

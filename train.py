@@ -20,12 +20,18 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     accuracy, answer_rate, tool_calls, tool_success_rate, wellformed_rate, turns,
     failure/<kind>            tools task: see tool_task.rates
     frac_adv_negative         share of rollouts with a negative advantage (report 000's
-                              explanation of the sparse reward's failure)
+                              explanation of the sparse reward's failure); a PPO rollout's
+                              advantage is the mean over its policy tokens
     frac_zero_std_groups      share of prompts whose K rewards are all equal (no signal)
-    adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark)
+    adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark),
+                              over the advantages the loss uses: one per rollout (GRPO), one
+                              per policy token (PPO)
     loss, entropy, clip_frac, approx_kl, grad_norm   from the update (null when none was
                               taken): token means over the last epoch; approx_kl =
-                              E[(ratio - 1) - log ratio]; grad_norm is before clipping
+                              E[(ratio - 1) - log ratio]; loss and grad_norm are means over
+                              the last epoch's mini-batches, grad_norm before clipping
+    steps_taken               optimizer steps applied this step (epochs x mini-batches,
+                              minus skipped ones)
     epochs_run                epochs actually run (fewer when --target-kl stopped them)
     value_loss, explained_variance   PPO: the critic's loss and 1 - Var(G - V) / Var(G)
                               on the rollouts (undefined, and wild, when every return is equal)
@@ -35,7 +41,7 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     ref_kl                    the same KL measured in the update's forward (its last epoch);
                               with --fast and one update per batch it is the `kl` above
     lr, entropy_coef          the step's learning rate and entropy bonus (schedules.py)
-    updated                   an optimizer step was taken: false when every advantage is 0
+    updated                   steps_taken > 0: false when every advantage is 0
                               (nothing to learn, and AdamW's momentum would still move the
                               weights), when --skip-all-fallback fires, or when the step was
                               non-finite
@@ -130,7 +136,7 @@ def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, promp
         batch, outcomes = task.sample(model, tok, prompts, c.k, c, ref_model, value_head,
                                       old_logp=not c.reuse_old_logp)               # rewards (N,)
     stats = dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
-                 skipped_nonfinite=0, nonfinite=[])
+                 steps_taken=0, skipped_nonfinite=0, nonfinite=[])
     mask = batch.completion_mask
     has_ref = batch.ref_logp is not None
     finite = torch.isfinite(batch.rewards)                                             # (N,)
@@ -151,13 +157,14 @@ def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, promp
         ppo.prepare(batch, beta=beta, kl_estimator=c.kl_estimator,
                     kl_in_reward=c.kl_in_reward, gamma=c.gamma, lam=c.lam)     # (N, C) each
     a = batch.advantages[mask.bool()] if batch.advantages.dim() == 2 else batch.advantages
+    seq_adv = rollout_advantages(batch)                                                # (N,)
     r = batch.rewards[finite]
     row = dict(step=step, reward_mean=r.mean().item() if len(r) else None,
                reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(outcomes),
                nonfinite_rewards=int((~finite).sum()),
                frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, c.k),
                adv_abs_mean=a.abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(a),
-               frac_adv_negative=(a < 0).float().mean().item(),
+               frac_adv_negative=(seq_adv < 0).float().mean().item(),
                kl=(kl.estimate(batch.old_logp, batch.ref_logp, "k3") * mask).sum().item()
                / mask.sum().item() if has_ref and batch.old_logp is not None else None, kl_coef=beta)
     if c.algo == "ppo" and finite.all():
@@ -187,6 +194,15 @@ def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, promp
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")
     return batch, outcomes, row, stats
+
+
+def rollout_advantages(batch):
+    """(N,) one advantage per rollout: GRPO's A_i, or PPO's mean over the rollout's policy tokens."""
+    adv = batch.advantages
+    if adv.dim() == 1:
+        return adv
+    m = batch.completion_mask
+    return (adv * m).sum(1) / m.sum(1).clamp_min(1)
 
 
 # ---- the loop ----
@@ -262,7 +278,7 @@ def train(c: Config) -> dict:
         row.update(lr=lr, entropy_coef=entropy_coef)
         if row["kl"] is not None:
             kl_control.update(row["kl"])                  # beta for the next step
-        updated = stats["loss"] is not None and stats["skipped_nonfinite"] < c.epochs
+        updated = stats.get("steps_taken", 0) > 0        # at least one optimizer step applied
         prev = state["prev"]
         on_format = row[task.FORMAT_KEY]
         collapsed = bool(prev and prev[0] and prev[1] > 0 and on_format <= prev[1] / 2)
@@ -284,10 +300,7 @@ def train(c: Config) -> dict:
             samples.write({"step": step, "split": "eval", "samples": eval_rows})
         row["seconds"] = time.time() - t0
         metrics.write(row)
-        adv = batch.advantages                                 # (N,), or (N, C) for PPO:
-        if adv.dim() == 2:                                     # then its mean over the sequence
-            m = batch.completion_mask
-            adv = (adv * m).sum(1) / m.sum(1).clamp_min(1)
+        adv = rollout_advantages(batch)                        # (N,)
         samples.write({"step": step, "split": "train", "samples": [
             dict(prompt=prompts[i // c.k]["text"], **task.describe(batch.texts[i], outcomes[i]),
                  reward=batch.rewards[i].item(), advantage=adv[i].item())

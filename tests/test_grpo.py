@@ -151,3 +151,58 @@ def test_completion_mask_keeps_the_sampled_eos_and_drops_what_follows():
     assert torch.equal(completion_mask(ids, eos), expected)
     # pad == eos (many real tokenizers): the second row is what generate returns then, and
     # the first EOS still counts as the policy's own token.
+
+
+# ---- optimize(): shuffling, steps taken, the grad-norm metric ----
+
+def recording_loss(scales, seen, nan_rows=()):
+    """loss_fn for optimize(): a loss on one parameter w whose gradient is sum(scales[idx]) * 1,
+    NaN for a mini-batch holding a row of nan_rows; records the rows of each call."""
+    w = torch.zeros(4, requires_grad=True)
+
+    def loss_fn(idx, mb_seqs, mb_tokens):
+        seen.append(idx.tolist())
+        loss = (scales[idx].sum() * w).sum()
+        if set(idx.tolist()) & set(nan_rows):
+            loss = loss * float("nan")
+        return loss, {"approx_kl": 0.0}
+    return w, loss_fn
+
+
+def test_mini_batches_are_shuffled_every_epoch_even_with_one_epoch():
+    scales = torch.arange(1.0, 9.0)
+    seen = []
+    w, loss_fn = recording_loss(scales, seen)
+    grpo.optimize([w], torch.optim.SGD([w], lr=0.0), torch.ones(8, 3), loss_fn, epochs=2, mini_batch=2,
+                  micro_batch=2, max_grad_norm=float("inf"), seed=7)
+    # the reference (CleanRL): a fresh permutation of the N rows per epoch, cut into mini-batches
+    gen = torch.Generator().manual_seed(7)
+    expected = [perm[i:i + 2].tolist() for perm in (torch.randperm(8, generator=gen) for _ in range(2))
+                for i in range(0, 8, 2)]
+    assert seen == expected
+    seen.clear()
+    w, loss_fn = recording_loss(scales, seen)
+    grpo.optimize([w], torch.optim.SGD([w], lr=0.0), torch.ones(8, 3), loss_fn, epochs=1, mini_batch=2,
+                  micro_batch=2, max_grad_norm=float("inf"), seed=7)
+    assert seen == expected[:4] and seen != [[0, 1], [2, 3], [4, 5], [6, 7]]    # epochs=1 shuffles too
+
+
+def test_grad_norm_is_the_mean_over_mini_batches_and_steps_taken_counts_applied_steps():
+    scales = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    seen = []
+    w, loss_fn = recording_loss(scales, seen, nan_rows=(0,))
+    stats = grpo.optimize([w], torch.optim.SGD([w], lr=0.0), torch.ones(8, 3), loss_fn, epochs=1,
+                          mini_batch=2, micro_batch=2, max_grad_norm=float("inf"), seed=0)
+    # a mini-batch's gradient is sum(scales[idx]) * ones(4): its norm is 2 * sum(scales[idx])
+    norms = [2 * scales[idx].sum().item() for idx in seen]
+    finite = [v for idx, v in zip(seen, norms) if 0 not in idx]
+    assert stats["steps_taken"] == 3 and stats["skipped_nonfinite"] == 1
+    assert stats["nonfinite"] == ["loss", "grad_norm"]
+    assert len(finite) == 3
+    assert math.isnan(stats["grad_norm"])            # a NaN mini-batch shows in the mean, not hidden
+    seen.clear()
+    w, loss_fn = recording_loss(scales, seen)
+    stats = grpo.optimize([w], torch.optim.SGD([w], lr=0.0), torch.ones(8, 3), loss_fn, epochs=1,
+                          mini_batch=2, micro_batch=2, max_grad_norm=float("inf"), seed=0)
+    expected = sum(2 * scales[idx].sum().item() for idx in seen) / 4
+    assert stats["grad_norm"] == pytest.approx(expected) and stats["steps_taken"] == 4

@@ -33,6 +33,36 @@ def test_token_rewards_put_the_outcome_on_the_last_policy_token():
                                                 [-0.05, 0.0, 0.0, 0.0]]))
 
 
+def naive_token_rewards(rewards, mask):
+    """The reference: walk each row and put its reward on the last token whose mask is 1."""
+    r = torch.zeros(mask.shape)
+    for i in range(len(mask)):
+        ones = [t for t in range(mask.shape[1]) if mask[i, t] == 1]
+        if ones:
+            r[i, ones[-1]] = rewards[i]
+    return r
+
+
+def test_token_rewards_on_multi_turn_masks_land_on_the_last_policy_token():
+    # Tool episodes: policy turn, environment reply (mask 0), policy turn, padding.
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0],      # two turns: mask.sum - 1 = 3 is a reply token
+                         [1, 0, 0, 0, 1, 0, 0, 0],      # two one-token turns
+                         [1, 1, 1, 0, 0, 0, 0, 0],      # one turn
+                         [0, 0, 0, 0, 0, 0, 0, 0]])     # nothing of the policy's
+    rewards = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    expected = naive_token_rewards(rewards, mask)
+    torch.testing.assert_close(ppo.token_rewards(rewards, mask), expected)
+    assert ppo.token_rewards(rewards, mask)[0, 5] == 1.0 and ppo.token_rewards(rewards, mask)[1, 4] == -1.0
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):                                  # random interleavings of turns and replies
+        mask = (torch.rand(6, 15, generator=gen) < 0.6).long()
+        rewards = torch.randn(6, generator=gen)
+        torch.testing.assert_close(ppo.token_rewards(rewards, mask), naive_token_rewards(rewards, mask))
+        # no reward lost: a row with any policy token keeps its whole reward
+        kept = ppo.token_rewards(rewards, mask).sum(1)
+        torch.testing.assert_close(kept, rewards * (mask.sum(1) > 0))
+
+
 def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_a_constant_one():
     ret = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     mask = torch.ones(1, 4)

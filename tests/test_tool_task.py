@@ -9,6 +9,7 @@ from transformers import Qwen2ForCausalLM
 import config
 import grpo
 import policy
+import ppo
 import rollout
 import tool_task
 import train
@@ -149,3 +150,24 @@ def test_train_runs_the_tool_task_and_logs_tool_metrics(tmp_path):
         assert key in rows[1], key
     assert "eval_accuracy" in rows[0] and 0 <= summary["eval_accuracy_end"] <= 1
     assert set(r["reward_mean"] for r in rows[1:]) <= set([x / 8 for x in range(-8, 9)])  # +-1 means
+
+
+def test_ppo_runs_the_tool_task_with_the_reward_on_each_episode_s_last_policy_token(tmp_path):
+    argv = ["--algo", "ppo", "--task", "tools", "--reward", "shaped", "--steps", "2", "--batch", "2",
+            "--k", "4", "--eval-every", "2", "--eval-samples", "1", "--sft-steps", "20", "--hidden", "16",
+            "--layers", "1", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+    c = config.parse_config(argv)
+    summary = train.train(c)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert all(rows[s]["updated"] for s in (1, 2)) and summary["eval_value_rmse_end"] >= 0
+    # The same warm start's own multi-turn rollouts: the reward sits on each row's last policy token.
+    model, tok = train.load(c, tool_task, "cpu", lambda s: None)
+    torch.manual_seed(0)
+    batch, _ = tool_task.sample(model, tok, tool_task.prompts("train")[:2], 4, c)
+    m = batch.completion_mask
+    turns = ((m[:, 1:] == 1) & (m[:, :-1] == 0)).sum(1) + m[:, 0]            # runs of 1s per row
+    assert (turns > 1).any()                                                  # multi-turn rows exist
+    r = ppo.token_rewards(batch.rewards, m)
+    for i in range(len(m)):
+        last = m[i].nonzero().max().item()
+        assert r[i, last] == batch.rewards[i] and r[i].sum() == batch.rewards[i]

@@ -4,6 +4,7 @@ import json
 import pytest
 
 import config
+import grpo
 import policy
 import train
 import workflow_task
@@ -115,3 +116,24 @@ def test_fast_path_takes_the_same_first_step(tmp_path, algo):
     assert plain["reward_mean"] == fast["reward_mean"] and fast["updated"]
     for key in ["loss", "grad_norm", "kl", "entropy"]:
         assert fast[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+
+
+def test_one_non_finite_mini_batch_of_four_still_counts_as_an_update(tmp_path, monkeypatch):
+    """N=8, --mini-batch 2, one mini-batch NaN: three optimizer steps moved the weights, so the
+    step updated (and crash rate and collapsed_after_update count it)."""
+    real = grpo.optimize
+
+    def poisoned(params, optimizer, mask, loss_fn, **kw):
+        def bad(idx, seqs, tokens):
+            loss, sums = loss_fn(idx, seqs, tokens)
+            return (loss * float("nan") if 0 in idx.tolist() else loss), sums
+        return real(params, optimizer, mask, bad, **kw)
+    monkeypatch.setattr(grpo, "optimize", poisoned)
+    argv = ["--steps", "1", "--batch", "2", "--k", "4", "--mini-batch", "2", "--kl-coef", "0.05",
+            "--eval-samples", "1",
+            "--sft-steps", "20", "--hidden", "16", "--layers", "1", "--quiet",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+    summary = train.train(config.parse_config(argv))
+    row = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1]
+    assert row["steps_taken"] == 3 and row["skipped_nonfinite"] == 1 and row["updated"] is True
+    assert summary["updates"] == 1
