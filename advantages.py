@@ -11,8 +11,11 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
         norm="group"   GRPO            A = (r - mean_g) / std_g
         norm="drgrpo"  Dr. GRPO        A = r - mean_g
         norm="global"  REINFORCE++     A = (r - mean_N) / std_N
-        norm="batch"   REINFORCE++-baseline, TRL scale_rewards="batch"
-                                       A = (r - mean_g) / std_N
+        norm="batch"   TRL scale_rewards="batch" (Lite PPO)
+                                       A = (r - mean_g) / std_N          std of the raw rewards
+        norm="reinforce++-baseline"    (verl, OpenRLHF)
+                                       c = r - mean_g;  A = (c - mean_N(c)) / std_N(c)
+                                       the group-centred rewards whitened over the batch
         norm="rloo"    leave-one-out   A = r_i - mean_{j != i in g} r_j
         norm="none"    plain REINFORCE A = r
     gae(rewards, values, mask, gamma, lam)   token-level advantages for PPO
@@ -40,8 +43,8 @@ Conventions (chosen, not laws; the tests show the alternatives):
 """
 import torch
 
-NORMS = ("group", "drgrpo", "global", "batch", "rloo", "none")
-GROUP_NORMS = ("group", "drgrpo", "batch", "rloo")  # these need K >= 2 samples per prompt
+NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "none")
+GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo")  # these need K >= 2
 
 
 # ---- checks and small helpers ----
@@ -76,7 +79,8 @@ def _safe_div(x: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
 # ---- the estimators ----
 
 def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
-            unbiased: bool = False, clip: float | None = None) -> torch.Tensor:
+            unbiased: bool = False, clip: float | None = None,
+            lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-level advantages for N = B*K rewards grouped K per prompt.
 
     rewards: (N,) float, prompt i owns rewards[i*K:(i+1)*K].
@@ -87,6 +91,9 @@ def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
     clip: if given, clamp advantages to [-clip, clip] (report 001's fix D uses 3, report
         000's intent is 5; its formula `max(adv,-5) + min(adv,5)` is not a clamp: for
         adv=1 it gives 1 + 1 = 2).
+    lengths: (N,) policy tokens per sequence, for reinforce++-baseline only: verl and
+        OpenRLHF whiten the advantage after spreading it over tokens, so a sequence weighs
+        by its length in the batch mean and std (None: every sequence weighs 1).
     Returns (N,) advantages in the rewards' float dtype.
     """
     _check(rewards, k, norm)
@@ -110,6 +117,16 @@ def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
         # A_i = (r_i - mean_g) / std_N            (group baseline, batch scale; std_N is the
         #                                          std of the raw rewards, as TRL computes it)
         a = _safe_div(g - g.mean(1, keepdim=True), _std(r, 0, unbiased), eps)   # (B, K)
+    elif norm == "reinforce++-baseline":
+        # c_i = r_i - mean_g;  A_i = (c_i - mean_N(c)) / std_N(c)    (REINFORCE++-baseline,
+        #     verl and OpenRLHF: the group baseline, then whitening over the batch's tokens;
+        #     Bessel-corrected as verl's masked_whiten, whatever `unbiased` says)
+        c = (g - g.mean(1, keepdim=True)).reshape(-1)                           # (N,)
+        w = torch.ones_like(c) if lengths is None else lengths.to(torch.float64)  # (N,)
+        total = w.sum()
+        mean = (w * c).sum() / total
+        var = (w * (c - mean) ** 2).sum() / total * total / (total - 1).clamp_min(1e-12)
+        a = _safe_div(c - mean, var.sqrt(), eps)                                # (N,)
     elif norm == "rloo":
         # A_i = r_i - (sum_g r - r_i) / (K - 1)   (each sample's baseline excludes itself,
         #     = K/(K-1) * (r_i - mean_g)           so the baseline is independent of r_i)

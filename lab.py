@@ -95,16 +95,19 @@ def group_norm(lab: Lab) -> dict:
     """K=2 vs K=8 under each norm, clipping, a fair budget, an aggressive lr (report 001)."""
     moderate = ["--k 8 --batch 8 --norm global", "--k 8 --batch 2 --norm group", "--k 2 --batch 3 --norm group",
                 "--k 8 --batch 3 --norm group", "--k 8 --batch 3 --norm drgrpo", "--k 8 --batch 3 --norm global",
-                "--k 8 --batch 3 --norm batch", "--k 8 --batch 3 --norm rloo",
+                "--k 8 --batch 3 --norm batch", "--k 8 --batch 3 --norm reinforce++-baseline",
+                "--k 8 --batch 3 --norm rloo",
                 "--k 2 --batch 3 --norm drgrpo --adv-clip 2", "--k 2 --batch 3 --norm global --adv-clip 3",
                 "--k 2 --batch 12 --norm group", "--k 2 --batch 3 --norm group --steps 600"]
     m = lab.sweep("group_norm", moderate, "--steps 150 --lr 1e-3", ("eval_best_rate", "eval_valid_rate"))
     a = lab.sweep("group_norm_aggressive_lr", ["--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group",
                                                "--k 8 --batch 2 --norm group", "--k 8 --batch 8 --norm global"],
                   "--steps 60 --lr 7e-3", ("eval_best_rate", "eval_valid_rate"))
-    k2, k8b2, k8b3 = (m[lab.shrink(moderate[i])] for i in (2, 1, 3))
+    k2, k8b2, k8b3 = (m[lab.shrink(s)] for s in ("--k 2 --batch 3 --norm group", "--k 8 --batch 2 --norm group",
+                                                   "--k 8 --batch 3 --norm group"))
     k2_agg, k8_agg = a[lab.shrink("--k 2 --batch 3 --norm group")], a[lab.shrink("--k 8 --batch 3 --norm group")]
-    fair, longer = m[lab.shrink(moderate[10])], m[lab.shrink(moderate[11])]
+    fair, longer = (m[lab.shrink(s)] for s in ("--k 2 --batch 12 --norm group",
+                                               "--k 2 --batch 3 --norm group --steps 600"))
     crash = mean(r["crash_rate"] for r in k2_agg)
     off = sum(r["ended_off_format"] for r in k2_agg)
     best = lambda runs: end(runs, "eval_best_rate_end")

@@ -152,7 +152,8 @@ def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, promp
             kl_t = kl.estimate(batch.old_logp, batch.ref_logp, c.kl_estimator)       # (N, C)
             r = r - beta * (kl_t * mask).sum(1).cpu()
         batch.advantages = advantages.compute(r, c.k, c.norm, unbiased=c.unbiased,
-                                              clip=c.adv_clip or None).to(mask.device)  # (N,)
+                                              clip=c.adv_clip or None,
+                                              lengths=mask.sum(1).cpu()).to(mask.device)  # (N,)
     else:
         ppo.prepare(batch, beta=beta, kl_estimator=c.kl_estimator,
                     kl_in_reward=c.kl_in_reward, gamma=c.gamma, lam=c.lam)     # (N, C) each

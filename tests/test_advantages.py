@@ -91,6 +91,48 @@ def test_k8_group_norm_gives_graded_advantages():
     assert a[3] < a[1] < 0
 
 
+def test_batch_is_trl_scale_rewards_batch_and_reinforce_pp_baseline_whitens_the_centred_rewards():
+    r = torch.tensor([1.0, 0.0, 0.2, 0.2])                       # K=2: a mixed group, a tied one
+    # batch (TRL scale_rewards="batch", Lite PPO): group-centred [0.5, -0.5, 0, 0] over the
+    # population std of the raw rewards: mean 0.35, var (0.4225+0.1225+0.0225+0.0225)/4 = 0.1475.
+    s = math.sqrt(0.1475)
+    torch.testing.assert_close(adv.compute(r, 2, "batch"), torch.tensor([0.5 / s, -0.5 / s, 0.0, 0.0]))
+    # reinforce++-baseline (verl, OpenRLHF): whiten the centred values: mean 0, Bessel var
+    # (0.25 + 0.25) / 3 = 1/6, so 0.5 / sqrt(1/6) = 1.2247.
+    w = 0.5 / math.sqrt(1 / 6)
+    torch.testing.assert_close(adv.compute(r, 2, "reinforce++-baseline"), torch.tensor([w, -w, 0.0, 0.0]))
+    # Token-weighted (lengths 1, 3, 2, 2): mean (0.5*1 - 0.5*3) / 8 = -0.125, so even the tied
+    # group moves: c - mean = [0.625, -0.375, 0.125, 0.125];
+    # var = (1*0.625^2 + 3*0.375^2 + 2*0.125^2 + 2*0.125^2) / 8 * 8/7 = 0.875 / 7 = 0.125.
+    a = adv.compute(r, 2, "reinforce++-baseline", lengths=torch.tensor([1, 3, 2, 2]))
+    torch.testing.assert_close(a, torch.tensor([0.625, -0.375, 0.125, 0.125]) / math.sqrt(0.125))
+
+
+def verl_reinforce_pp_baseline(rewards, k, mask):
+    """A re-implementation of verl's REINFORCE++-baseline: subtract the group mean, tile the
+    score over the response tokens, masked whitening with the unbiased (Bessel) variance."""
+    scores = rewards.clone().double()
+    for start in range(0, len(scores), k):
+        scores[start:start + k] -= scores[start:start + k].mean()
+    m = mask.double()
+    tiled = scores[:, None] * m                                               # (N, T)
+    mean = (tiled * m).sum() / m.sum()
+    var = ((tiled - mean) ** 2 * m).sum() / m.sum() * m.sum() / (m.sum() - 1)
+    return ((tiled - mean) * torch.rsqrt(var + 1e-8) * m).float()
+
+
+def test_reinforce_pp_baseline_equals_a_reimplementation_of_verl_on_random_batches():
+    gen = torch.Generator().manual_seed(5)
+    for k in (2, 4, 8):
+        rewards = torch.randn(4 * k, generator=gen)                               # B = 4 prompts
+        lengths = torch.randint(1, 12, (4 * k,), generator=gen)
+        mask = (torch.arange(12)[None, :] < lengths[:, None]).long()             # (N, T)
+        ours = adv.compute(rewards, k, "reinforce++-baseline", lengths=lengths)  # (N,)
+        ref = verl_reinforce_pp_baseline(rewards, k, mask)
+        torch.testing.assert_close(ours[:, None] * mask, ref, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(ours, adv.compute(rewards, k, "batch"))      # not the same estimator
+
+
 def test_global_keeps_the_sign_of_reward_minus_batch_mean():
     gen = torch.Generator().manual_seed(2)
     r = torch.rand(64, generator=gen)
@@ -107,7 +149,7 @@ def test_rloo_equals_scaled_drgrpo():
 
 def test_zero_variance_groups_give_zero_never_nan():
     r = torch.tensor([0.2, 0.2, 0.2, 0.2, 1.0, 1.0, 1.0, 1.0])
-    for norm in ["group", "drgrpo", "batch", "rloo"]:
+    for norm in ["group", "drgrpo", "batch", "reinforce++-baseline", "rloo"]:
         a = adv.compute(r, 4, norm)
         assert torch.equal(a, torch.zeros(8)), norm
     # All rewards equal: even the global std is 0.
