@@ -62,6 +62,49 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)  # (n, C)
 
 
+def head_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """The model's logits from last hidden states h (rows, C, H), in float32: the LM head with
+    autocast switched off (a bf16 head costs log-probs ~0.01 at a 100-word vocabulary, more
+    at a real one), then what the model's own forward does to its logits after the head:
+
+        Gemma 2/3   final_logit_softcapping c:  logits = c * tanh(logits / c)
+        Cohere      logit_scale s:              logits = s * logits
+        Granite     logits_scaling d:           logits = logits / d
+
+    A model that does something else is refused at load (`check_logprobs`)."""
+    head = model.get_output_embeddings()
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        bias = head.bias.float() if getattr(head, "bias", None) is not None else None
+        logits = torch.nn.functional.linear(h.float(), head.weight.float(), bias)     # (rows, C, V)
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    if getattr(cfg, "logit_scale", None) is not None:
+        logits = logits * cfg.logit_scale
+    if getattr(cfg, "logits_scaling", None) is not None:
+        logits = logits / cfg.logits_scaling
+    return logits
+
+
+@torch.no_grad()
+def check_logprobs(model, tokens: int = 12, seed: int = 0) -> float:
+    """Largest |difference| between completion_logprobs and log-softmax of the model's own
+    forward logits, on random tokens: ~1e-6 when head_logits reproduces the model."""
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (2, tokens), generator=gen).to(device)           # (2, T)
+    attn = torch.ones_like(ids)
+    half = tokens // 2
+    was_training = model.training
+    model.eval()
+    ours, _ = completion_logprobs(model, ids[:, :half], attn[:, :half], ids[:, half:], attn[:, half:])
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, half - 1:-1].float()  # (2, T-half, V)
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, half:, None]).squeeze(-1)
+    model.train(was_training)
+    return (ours - ref).abs().max().item()
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature: float = 1.0, with_entropy: bool = False,
                         entropy_grad: bool = False, return_hidden: bool = False):
@@ -73,8 +116,9 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
     shift them. Only the C + 1 last positions go through the LM head (never all P + C).
     Logits are divided by the sampling temperature: the ratio compares the distribution
     the samples were actually drawn from. The entropy carries a gradient only when
-    entropy_grad (an entropy bonus); as a metric it stays out of the graph. The head and
-    the log-softmax run on LOGITS_CHUNK_ELEMENTS-sized groups of rows.
+    entropy_grad (an entropy bonus); as a metric it stays out of the graph. The head (in
+    float32, with the model's own logit post-processing: `head_logits`) and the log-softmax
+    run on LOGITS_CHUNK_ELEMENTS-sized groups of rows.
     """
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                    # (n, P+C)
     attn = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+C)
@@ -84,11 +128,10 @@ def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completi
                          use_cache=False).last_hidden_state[:, -(c_len + 1):]  # (n, C+1, H)
     # hidden state j predicts token j+1: the last C+1 positions predict the C completion
     # tokens (and one token past the end, dropped).
-    head = model.get_output_embeddings()
-    step = rows_per_chunk(c_len, head.weight.shape[0])
+    step = rows_per_chunk(c_len, model.get_output_embeddings().weight.shape[0])
     logps, entropies = [], []
     for i in range(0, len(ids), step):
-        logits = head(h[i:i + step, :-1]).float() / temperature            # (rows, C, V)
+        logits = head_logits(model, h[i:i + step, :-1]) / temperature       # (rows, C, V) float32
         logps.append(token_logprobs(logits, completion_ids[i:i + step]))    # (rows, C)
         if with_entropy:
             entropies.append(token_entropy(logits if entropy_grad else logits.detach()))

@@ -25,6 +25,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen2ForCausalLM)
 
+import grpo
+
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
 
@@ -124,10 +126,19 @@ def tiny_policy(task, hidden: int, layers: int, sft_steps: int, sft_lr: float,
 
 # ---- a local Hugging Face model ----
 
+class ModelError(ValueError):
+    """A model folder this code cannot train correctly; train.py turns it into one line, exit 2."""
+
+
 def local_policy(task, path: str, sft_steps: int, sft_lr: float, sft_batch_size: int, seed: int,
                  log=print):
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    error = grpo.check_logprobs(model)
+    if not error < 1e-3:
+        raise ModelError(f"--model: {path!r} ({type(model).__name__}) transforms its logits in a way "
+                         f"grpo.head_logits does not reproduce (log-probs off by {error:.3g}); "
+                         f"its ratios and KLs would be wrong, so it is refused")
     tok.padding_side = "left"
     if tok.pad_token is None:
         # Pad may equal EOS here; completion masks come from the first EOS, not from pad ids.
@@ -136,6 +147,30 @@ def local_policy(task, path: str, sft_steps: int, sft_lr: float, sft_batch_size:
         losses = warm_start(task, model, tok, sft_steps, sft_lr, sft_batch_size, seed)
         log(f"warm-start: {sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     return model, tok
+
+
+def disable_dropout(model) -> int:
+    """Switch off every dropout of the model, for the whole RL phase; returns how many were on.
+
+    RL compares log-probs of the same weights: the update's against those recorded when
+    sampling (in eval mode), and the policy's against the reference's. With dropout on
+    during the update (model.train()), the first epoch's ratio is no longer 1, clipping bites
+    on noise, and the KL to the reference is noise too (TRL's disable_dropout=True, for the
+    same reason). Dropout lives in nn.Dropout modules (GPT-2: attention, residuals,
+    embeddings), in float attributes read at forward time (Qwen2's attention_dropout), and in
+    the config some models read while running: all three are set to 0."""
+    on = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p, on = 0.0, on + 1
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                on += 1
+    for name, value in model.config.to_dict().items():
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+            setattr(model.config, name, 0.0)
+    return on
 
 
 def format_prompt(tok, text: str, system: str) -> str:

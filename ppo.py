@@ -41,7 +41,8 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.linear(h.float()).squeeze(-1)                 # (n, C, H) -> (n, C)
+        with torch.autocast(device_type=h.device.type, enabled=False):     # float32 under bf16 autocast
+            return self.linear(h.float()).squeeze(-1)                      # (n, C, H) -> (n, C)
 
 
 # ---- rewards, advantages and the value loss ----

@@ -84,7 +84,7 @@ import ppo
 import schedules
 import tool_task
 import workflow_task
-from config import Config, default_out, parse_config
+from config import Config, default_out, fail, parse_config
 
 TASKS = {"dsl": workflow_task, "tools": tool_task}
 
@@ -101,6 +101,9 @@ def load(c: Config, task, device: str, log):
         sft = 300 if c.sft_steps == -1 else c.sft_steps
         model, tok = policy.tiny_policy(task, c.hidden, c.layers, sft, c.sft_lr, 64, c.sft_seed,
                                         Path(c.cache_dir), log)
+    off = policy.disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
+    if off:
+        log(f"dropout: switched off in {off} places for RL")
     return model.to(device), tok
 
 
@@ -361,4 +364,9 @@ def finish(c: Config, task, out: Path, state: dict, watch, stopped, seconds: flo
 
 
 if __name__ == "__main__":
-    sys.exit(1 if train(parse_config())["stopped"] else 0)
+    config = parse_config()
+    try:
+        summary = train(config)
+    except policy.ModelError as e:                 # found while loading, before any training
+        fail(str(e))
+    sys.exit(1 if summary["stopped"] else 0)

@@ -206,3 +206,118 @@ def test_grad_norm_is_the_mean_over_mini_batches_and_steps_taken_counts_applied_
                           mini_batch=2, micro_batch=2, max_grad_norm=float("inf"), seed=0)
     expected = sum(2 * scales[idx].sum().item() for idx in seen) / 4
     assert stats["grad_norm"] == pytest.approx(expected) and stats["steps_taken"] == 4
+
+
+# ---- dropout is off for RL ----
+
+def gpt2_model(seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=20, n_positions=32, n_embd=16, n_layer=2, n_head=2)   # dropouts 0.1
+    return GPT2LMHeadModel(cfg)
+
+
+def first_epoch_ratio_stats(model):
+    """One GRPO update whose old log-probs were recorded in eval mode, as sampling records them."""
+    batch = synthetic_batch(model)
+    model.eval()
+    with torch.no_grad():
+        batch.old_logp, _ = grpo.completion_logprobs(model, batch.prompt_ids, batch.prompt_mask,
+                                                     batch.completion_ids, batch.completion_mask)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    return grpo.update(model, opt, batch, epochs=1, mini_batch=8, micro_batch=8, clip_eps=0.2,
+                       clip_eps_high=0.2, beta=0.0, kl_estimator="k3", kl_in_loss=True, entropy_coef=0.0,
+                       agg="token-mean", max_len=6, max_grad_norm=float("inf"), temperature=1.0, seed=0)
+
+
+def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():
+    import policy
+    noisy = first_epoch_ratio_stats(gpt2_model())
+    assert noisy["approx_kl"] > 1e-4                      # GPT-2's 0.1 dropouts: ratio != 1 at once
+    model = gpt2_model()
+    assert policy.disable_dropout(model) > 0
+    exact = first_epoch_ratio_stats(model)
+    assert exact["approx_kl"] == 0.0 and exact["clip_frac"] == 0.0
+    assert policy.disable_dropout(model) == 0             # nothing left on
+    # Qwen2 keeps its attention dropout in a float attribute, not an nn.Dropout
+    cfg = tiny_model().config
+    cfg.attention_dropout = 0.5
+    qwen = Qwen2ForCausalLM(cfg)
+    assert policy.disable_dropout(qwen) == 1 and qwen.config.attention_dropout == 0.0
+    assert first_epoch_ratio_stats(qwen)["approx_kl"] == 0.0
+
+
+# ---- the model's own logit post-processing, and the head in float32 ----
+
+def post_processing_models():
+    """Tiny models whose forward transforms the head's logits: Gemma 2 (soft-capping at 5),
+    Cohere (scale 0.25), Granite (divide by 4)."""
+    from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                              GraniteConfig, GraniteForCausalLM)
+    shape = dict(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return {"gemma2": Gemma2ForCausalLM(Gemma2Config(**shape, head_dim=8, final_logit_softcapping=5.0)),
+            "cohere": CohereForCausalLM(CohereConfig(**shape, logit_scale=0.25)),
+            "granite": GraniteForCausalLM(GraniteConfig(**shape, logits_scaling=4.0))}
+
+
+@pytest.mark.parametrize("name", ["gemma2", "cohere", "granite"])
+def test_completion_logprobs_apply_the_model_s_own_logit_post_processing(name):
+    model = post_processing_models()[name].eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)          # logits large enough to be capped
+        ids = torch.randint(0, 40, (3, 10), generator=torch.Generator().manual_seed(1))
+        attn = torch.ones_like(ids)
+        ours, _ = grpo.completion_logprobs(model, ids[:, :4], attn[:, :4], ids[:, 4:], attn[:, 4:],
+                                           temperature=0.7)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, 3:-1] / 0.7   # the reference
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 4:, None]).squeeze(-1)
+        plain = torch.log_softmax(model.get_output_embeddings()(
+            model.base_model(input_ids=ids, attention_mask=attn).last_hidden_state[:, 3:-1]) / 0.7, -1)
+        plain = plain.gather(-1, ids[:, 4:, None]).squeeze(-1)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert (plain - ref).abs().max() > 0.1                    # skipping the post-processing is far off
+    assert grpo.check_logprobs(model) < 1e-5
+
+
+def test_a_model_with_an_unknown_logit_transform_is_detected_and_refused(tmp_path, monkeypatch):
+    import policy
+    model = tiny_model()
+    model.get_output_embeddings().register_forward_hook(lambda mod, args, out: out * 3)  # unknown to us
+    assert grpo.check_logprobs(model) > 1e-2
+    folder = tmp_path / "gemma2"                               # a saved model we would get wrong
+    gemma = post_processing_models()["gemma2"]
+    with torch.no_grad():
+        gemma.get_output_embeddings().weight.mul_(20)          # logits the soft-cap changes
+    gemma.save_pretrained(folder)
+    policy.build_tokenizer(["a", "b"]).save_pretrained(folder)
+    policy.local_policy(None, str(folder), 0, 1e-3, 4, 0)     # reproduced: loads
+    monkeypatch.setattr(grpo, "head_logits", lambda m, h: m.get_output_embeddings()(h).float())
+    with pytest.raises(policy.ModelError, match="transforms its logits"):
+        policy.local_policy(None, str(folder), 0, 1e-3, 4, 0)
+
+
+def test_under_bf16_autocast_the_heads_run_in_float32_on_a_large_vocabulary():
+    import ppo
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=0,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg).eval()                   # no layers: the head is all that autocast touches
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0, 0.5)
+        ids = torch.randint(0, 32000, (4, 16), generator=torch.Generator().manual_seed(0))
+        attn = torch.ones_like(ids)
+        args = (model, ids[:, :8], attn[:, :8], ids[:, 8:], attn[:, 8:])
+        fp32, _ = grpo.completion_logprobs(*args)
+        head = ppo.ValueHead(64)
+        torch.nn.init.normal_(head.linear.weight)
+        h = torch.randn(4, 8, 64)
+        v32 = head(h)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp, _ = grpo.completion_logprobs(*args)
+            v_amp = head(h)
+            bf16_head = model.get_output_embeddings()(torch.randn(2, 3, 64)).dtype
+    assert bf16_head == torch.bfloat16                     # autocast really is on for a plain head call
+    assert (amp - fp32).abs().max() < 1e-5                 # a bf16 head was off by ~0.03 here
+    assert v_amp.dtype == torch.float32 and torch.allclose(v_amp, v32, atol=1e-6)
