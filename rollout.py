@@ -20,6 +20,7 @@ the policy's tokens only) differ there.
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from grpo import completion_logprobs
 
@@ -55,6 +56,37 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (eos_before == 0).long()                                 # (N, C)
 
 
+# ---- sampling from exactly the distribution we score ----
+
+def plain_sampling(tok, temperature: float, max_new_tokens: int, **extra) -> GenerationConfig:
+    """Sampling from softmax(logits / temperature) and nothing else: every logits processor
+    of `generate` set to its neutral value (no top-k/top-p/min-p/typical-p truncation, no
+    repetition penalty, no banned n-grams or words, no forced or suppressed tokens). The
+    log-probs we store are those of this distribution, so the ratio and the KL are right.
+    extra: the end tokens, stop strings, cache implementation."""
+    return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None,
+                            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
+                            encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                            encoder_no_repeat_ngram_size=0, bad_words_ids=None, suppress_tokens=None,
+                            begin_suppress_tokens=None, forced_bos_token_id=None,
+                            forced_eos_token_id=None, sequence_bias=None, guidance_scale=None,
+                            exponential_decay_length_penalty=None, min_length=0, min_new_tokens=None,
+                            renormalize_logits=False, num_beams=1, max_new_tokens=max_new_tokens,
+                            pad_token_id=tok.pad_token_id, **extra)
+
+
+def generate(model, gen_config: GenerationConfig, **inputs) -> torch.Tensor:
+    """model.generate under gen_config alone. generate fills every option left unset from the
+    model's own saved generation_config (Qwen2.5-Instruct's repetition_penalty 1.05, another
+    model's min_p or no_repeat_ngram_size), so that config is swapped out for the call."""
+    saved = model.generation_config
+    model.generation_config = gen_config
+    try:
+        return model.generate(**inputs, generation_config=gen_config)
+    finally:
+        model.generation_config = saved
+
+
 @torch.no_grad()
 def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperature: float,
            ref_model=None, value_head=None, old_logp: bool = True, chunk: int | None = None,
@@ -69,13 +101,11 @@ def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperat
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
               pad_to_multiple_of=64 if static_cache else None).to(device)
     model.eval()
-    # Pure sampling from softmax(logits / temperature): no top-k / top-p truncation, so the
-    # log-probs below are those of the distribution the samples came from. generate stops
-    # as soon as every sequence has sampled its EOS.
-    out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                         max_new_tokens=max_new_tokens,
-                         cache_implementation="static" if static_cache else None,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (N, P+C)
+    # Pure sampling from softmax(logits / temperature), so the log-probs below are those of
+    # the distribution the samples came from. generate stops once every sequence sampled EOS.
+    gen = plain_sampling(tok, temperature, max_new_tokens, eos_token_id=tok.eos_token_id,
+                         cache_implementation="static" if static_cache else None)
+    out = generate(model, gen, **enc)                                          # (N, P+C)
     p_len = enc["input_ids"].shape[1]
     completion_ids = out[:, p_len:]                                 # (N, C)
     mask = completion_mask(completion_ids, tok.eos_token_id)        # (N, C)
@@ -138,16 +168,15 @@ def sample_episodes(model, tok, prompt_texts: list, envs: list, k: int, max_new_
     ids, policy_mask = [[] for _ in range(n)], [[] for _ in range(n)]    # the completion so far
     infos, turns = [[] for _ in range(n)], [[] for _ in range(n)]
     stops = stop_ids(tok, stop_strings)
-    stop_kw = dict(eos_token_id=[tok.eos_token_id, *stops]) if stops else \
-        dict(eos_token_id=tok.eos_token_id, stop_strings=list(stop_strings), tokenizer=tok)
+    gen = plain_sampling(tok, temperature, max_new_tokens, eos_token_id=[tok.eos_token_id, *stops]) \
+        if stops else plain_sampling(tok, temperature, max_new_tokens, eos_token_id=tok.eos_token_id,
+                                     stop_strings=list(stop_strings))
     active = list(range(n))
     model.eval()
     while active:
         ctx, attn = left_pad([prompts[i] + ids[i] for i in active], tok.pad_token_id, device)
-        out = model.generate(input_ids=ctx, attention_mask=attn, do_sample=True,
-                             temperature=temperature, top_k=0, top_p=1.0,
-                             max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-                             **stop_kw)[:, ctx.shape[1]:]                      # (n_active, T)
+        out = generate(model, gen, input_ids=ctx, attention_mask=attn,
+                       tokenizer=tok)[:, ctx.shape[1]:]                        # (n_active, T)
         still = []
         for row, i in enumerate(active):
             new = turn_tokens(out[row].tolist(), tok, stops, stop_strings)

@@ -321,3 +321,34 @@ def test_under_bf16_autocast_the_heads_run_in_float32_on_a_large_vocabulary():
     assert bf16_head == torch.bfloat16                     # autocast really is on for a plain head call
     assert (amp - fp32).abs().max() < 1e-5                 # a bf16 head was off by ~0.03 here
     assert v_amp.dtype == torch.float32 and torch.allclose(v_amp, v32, atol=1e-6)
+
+
+# ---- sampling draws from the distribution we score ----
+
+def test_rollouts_sample_from_the_distribution_their_logprobs_score(monkeypatch):
+    """A model whose saved generation config sets a repetition penalty, min-p, typical-p, top-k,
+    top-p, banned n-grams and suppressed tokens: generate's processed scores (the distribution it
+    sampled from) still equal our log-probs of softmax(logits / T)."""
+    import rollout
+    import policy
+    from transformers import GenerationConfig
+    tok = policy.build_tokenizer([f"w{i}" for i in range(17)])
+    model = tiny_model(2).eval()
+    model.generation_config = GenerationConfig(repetition_penalty=1.3, min_p=0.2, typical_p=0.5,
+                                               top_k=5, top_p=0.6, no_repeat_ngram_size=2,
+                                               suppress_tokens=[7, 8], min_new_tokens=4, eos_token_id=1)
+    scores = []
+    real = model.generate
+
+    def recording(**kw):
+        out = real(**kw, output_scores=True, return_dict_in_generate=True)
+        scores.append(torch.stack(out.scores, 1))                             # (N, C, V) processed
+        return out.sequences
+    monkeypatch.setattr(model, "generate", recording)
+    batch = rollout.sample(model, tok, ["w1 w2 w3", "w4 w5"], 3, max_new_tokens=8, temperature=0.7)
+    processed = torch.log_softmax(scores[0].float(), -1)
+    c = batch.completion_ids.shape[1]
+    theirs = processed[:, :c].gather(-1, batch.completion_ids[..., None]).squeeze(-1)   # (N, C)
+    m = batch.completion_mask.bool()
+    torch.testing.assert_close(batch.old_logp[m], theirs[m], rtol=1e-4, atol=1e-4)
+    assert model.generation_config.repetition_penalty == 1.3          # the model's own config is back

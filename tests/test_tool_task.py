@@ -29,7 +29,7 @@ def scripted_generate(tok, turns):
     row, then pads as `generate` pads a finished row (the real forward passes still run)."""
     calls = iter(turns)
 
-    def generate(input_ids, attention_mask, max_new_tokens, **kw):
+    def generate(input_ids, attention_mask, **kw):
         new = tok(next(calls), add_special_tokens=False)["input_ids"]
         new = new + [tok.pad_token_id] * 3                       # what follows a stop is dropped
         return torch.cat([input_ids, torch.tensor([new] * len(input_ids))], dim=1)
