@@ -6,7 +6,8 @@
 Each quoted setting is a train.py command line (added to --common). Every setting runs for
 seeds 0 .. S-1 into OUT/runs/<setting>/s<seed>/, all from the same cached warm start. It prints
 a Markdown table of the final held-out rates (mean ± std over seeds, [min-max]), how many
-runs ended off-format (held-out valid rate < 0.5), and the crash-after-update rate, and
+runs ended off-format (held-out valid rate < 0.5), the crash-after-update rate and its
+floor (what a frozen policy would score at the same on-format rates: monitor.py), and
 draws OUT/compare.png: held-out best rate per step, a thin line per seed and the mean.
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
 """
@@ -55,7 +56,7 @@ def table(results: dict, columns=()) -> str:
     """Markdown: the task's standard columns, then one per extra summary key in `columns`."""
     task = "dsl" if "eval_best_rate_end" in next(iter(results.values()))[0] else "tools"
     cols = STANDARD[task] + [(k, k) for k in columns]
-    tail = ["off-format runs", "crash rate", "fallback / junk (end)"] if task == "dsl" else []
+    tail = ["off-format runs", "crash rate", "crash floor", "fallback / junk (end)"] if task == "dsl" else []
     head = ["setting", *[h for h, _ in cols], *tail, "s per run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, runs in results.items():
@@ -63,6 +64,7 @@ def table(results: dict, columns=()) -> str:
         if task == "dsl":
             cells += [f"{sum(r['ended_off_format'] for r in runs)}/{len(runs)}",
                       f"{statistics.mean(r['crash_rate'] for r in runs):.2f}",
+                      f"{statistics.mean(r.get('crash_floor', float('nan')) for r in runs):.2f}",
                       f"{statistics.mean(r['eval_fallback_rate_end'] for r in runs):.2f} / "
                       f"{statistics.mean(r['eval_junk_rate_end'] for r in runs):.2f}"]
         cells.append(f"{statistics.mean(r['seconds'] for r in runs):.0f}")

@@ -21,6 +21,7 @@ import torch
 import advantages
 import compare
 import grpo
+import monitor
 import plots
 import policy
 import rewards
@@ -109,6 +110,7 @@ def group_norm(lab: Lab) -> dict:
     fair, longer = (m[lab.shrink(s)] for s in ("--k 2 --batch 12 --norm group",
                                                "--k 2 --batch 3 --norm group --steps 600"))
     crash = mean(r["crash_rate"] for r in k2_agg)
+    floor = mean(r["crash_floor"] for r in k2_agg)      # a frozen policy at the same rates (monitor.py)
     off = sum(r["ended_off_format"] for r in k2_agg)
     best = lambda runs: end(runs, "eval_best_rate_end")
     return dict(report="001", figure="group_norm/compare.png",
@@ -116,10 +118,14 @@ def group_norm(lab: Lab) -> dict:
                       "global norm or clipping fix it",
                 measured=f"held-out best at the end, lr 1e-3: K=2/B=3 group {best(k2):.2f}, K=8/B=2 {best(k8b2):.2f}, "
                          f"K=8/B=3 {best(k8b3):.2f}; fair budget K=2/B=12 {best(fair):.2f}, K=2 4x longer "
-                         f"{best(longer):.2f}. At lr 7e-3, K=2/B=3: crash rate {crash:.2f}, {off}/{len(k2_agg)} "
+                         f"{best(longer):.2f}. At lr 7e-3, K=2/B=3: crash rate {crash:.2f}, of which {floor:.2f} is the "
+                         f"floor a frozen policy scores at the same on-format rates ({crash - floor:.2f} above "
+                         f"it; at the warm start's p=0.57 and N=6 the floor is "
+                         f"{monitor.false_collapse_rate(0.57, 6):.3f}), {off}/{len(k2_agg)} "
                          f"runs off-format (K=8/B=3: {sum(r['ended_off_format'] for r in k8_agg)}/{len(k8_agg)})",
-                # rule: reproduced if K=8 beats K=2 at lr 1e-3 AND the K=2 crash rate at 7e-3 is >= 0.9
-                verdict=("reproduced" if best(k8b2) > best(k2) and crash >= 0.9 else
+                # rule: reproduced if K=8 beats K=2 at lr 1e-3 AND the K=2 crash rate at 7e-3, above
+                # its frozen-policy floor, is >= 0.9
+                verdict=("reproduced" if best(k8b2) > best(k2) and crash - floor >= 0.9 else
                          "partly: K=8 learns more than K=2, but the crash rate is far below 97%"
                          if best(k8b2) > best(k2) else "not reproduced"))
 

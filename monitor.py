@@ -11,7 +11,41 @@ under `alerts`), and is printed once when an episode of it starts, not on every 
 A quantity that was not measured on a step (no update, no reference model) neither starts
 nor ends an episode.
 """
+import math
 from collections import deque
+
+
+# ---- the crash flag's value under the null ----
+#
+# train.py flags `collapsed_after_update` when an update was taken and the next step's
+# on-format rate is at most half the previous one. That rate is a share of N sampled
+# rollouts, so it moves by binomial noise alone: a policy that never changes raises the
+# flag too. With X1, X2 ~ Binomial(N, p) independent (two steps of a frozen policy whose
+# on-format probability is p), the flag fires when X1 > 0 and X2 <= X1 / 2:
+#
+#     P(flag) = sum_{x1 >= 1} P(X1 = x1) * P(X2 <= floor(x1 / 2))
+#
+# p = 0.57 (report 001's warm start): 14.4% at N = 6 (K=2, B=3), 2.6% at N = 16, 2.5e-5 at
+# N = 64 (`python monitor.py` prints the table). A crash rate means something only above it.
+
+def binomial_cdf(x: int, n: int, p: float) -> float:
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(0, x + 1))
+
+
+def false_collapse_rate(p: float, n: int) -> float:
+    """P(flag) for a frozen policy with on-format probability p and N = n rollouts per step."""
+    return sum(math.comb(n, x) * p ** x * (1 - p) ** (n - x) * binomial_cdf(x // 2, n, p)
+               for x in range(1, n + 1))
+
+
+def false_collapse_given(rate: float, n: int) -> float:
+    """P(flag on the next step | this step's on-format rate), for a policy frozen at that
+    rate: P(Binomial(n, rate) <= n * rate / 2); 0 when the rate is 0 (the flag needs > 0).
+    Summed over a run's updated steps and divided by its updates, this is the crash rate a
+    frozen policy would show along the run's own rates: train.py's crash_floor."""
+    if rate <= 0:
+        return 0.0
+    return binomial_cdf(int(round(n * rate)) // 2, n, rate)
 
 
 class StabilityMonitor:
@@ -52,3 +86,11 @@ class StabilityMonitor:
         self.rewards = deque(state["rewards"], maxlen=self.window)
         self.active = set(state["active"])
         self.episodes = dict(state["episodes"])
+
+
+if __name__ == "__main__":
+    print("false crash-after-update rate of a frozen policy, by on-format probability p and N rollouts:")
+    ns = (6, 16, 24, 64, 128)
+    print("   p  " + "".join(f"  N={n:<5d}" for n in ns))
+    for p in (0.2, 0.4, 0.57, 0.6, 0.8, 0.95):
+        print(f"{p:5.2f} " + "".join(f"  {false_collapse_rate(p, n):7.2%}" for n in ns))

@@ -52,7 +52,9 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     collapsed_after_update    the previous step updated, its on-format rate (valid_rate;
                               wellformed_rate for tools) was > 0, and this step's is at most
                               half of it (report 001: "50% -> 0% right after the update").
-                              crash_rate = collapses / updates.
+                              crash_rate = collapses / updates. A frozen policy raises it
+                              too, by binomial noise: summary.json's crash_floor is the rate
+                              it would show at the run's own on-format rates (monitor.py).
     eval_<rate>, eval_reward_mean   each rate above, on held-out prompts, at step 0 (a line
                               of its own) and every --eval-every steps: one sample at the
                               training temperature for each of --eval-samples x 32 held-out
@@ -238,7 +240,8 @@ def train(c: Config) -> dict:
     watch = monitor.StabilityMonitor(c.alert_entropy, c.alert_kl, c.alert_reward_range, c.alert_window)
 
     # Everything a checkpoint holds besides the weights, the optimizer and the RNGs.
-    state = dict(step=0, updates=0, collapses=0, skipped=0, prev=None,  # prev: (updated, on-format rate)
+    state = dict(step=0, updates=0, collapses=0, crash_floor=0.0, skipped=0,
+                 prev=None,                                      # prev: (updated, on-format rate)
                  first_eval=None, last_eval=None, monitor=None, kl_control=None, value_head=None)
     if c.resume:
         state = checkpoint.restore(Path(c.resume), model, optimizer, rng)
@@ -286,8 +289,11 @@ def train(c: Config) -> dict:
         prev = state["prev"]
         on_format = row[task.FORMAT_KEY]
         collapsed = bool(prev and prev[0] and prev[1] > 0 and on_format <= prev[1] / 2)
+        # the null: how likely that flag was from sampling noise alone (monitor.py)
+        floor = monitor.false_collapse_given(prev[1], c.n) if prev and prev[0] else 0.0
         state.update(step=step, updates=state["updates"] + updated, prev=(updated, on_format),
                      collapses=state["collapses"] + collapsed,
+                     crash_floor=state.get("crash_floor", 0.0) + floor,
                      skipped=state["skipped"] + stats["skipped_nonfinite"])
         row.update(stats, updated=updated, collapsed_after_update=collapsed)
         if stats["nonfinite"]:
@@ -343,6 +349,7 @@ def finish(c: Config, task, out: Path, state: dict, watch, stopped, seconds: flo
     first, last = state["first_eval"], state["last_eval"]
     summary = dict(steps=state["step"], updates=state["updates"], collapses=state["collapses"],
                    crash_rate=state["collapses"] / state["updates"] if state["updates"] else 0.0,
+                   crash_floor=state.get("crash_floor", 0.0) / state["updates"] if state["updates"] else 0.0,
                    skipped_nonfinite=state["skipped"], alert_episodes=watch.episodes,
                    stopped=stopped)
     for key in task.HEADLINE:
@@ -359,7 +366,8 @@ def finish(c: Config, task, out: Path, state: dict, watch, stopped, seconds: flo
     headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
                          for key in task.HEADLINE)
     say(f"{'stopped' if stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "
-        f"rate {state['collapses']}/{state['updates']}; files in {out}/ (curves.png)")
+        f"rate {state['collapses']}/{state['updates']} (frozen-policy floor {summary['crash_floor']:.2f}); "
+        f"files in {out}/ (curves.png)")
     return summary
 
 

@@ -17,7 +17,7 @@ def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path):
             assert (tmp_path / r["figure"]).is_file(), r["figure"]
     assert summary["k2_pm1"]["verdict"] == "reproduced"          # arithmetic, not noise
     runs = list((tmp_path / "group_norm" / "runs").glob("*/s1/metrics.jsonl"))
-    assert len(runs) == 12
+    assert len(runs) == 13
 
 
 def test_bench_measures_a_step_of_ours(tmp_path):
