@@ -67,8 +67,10 @@ class Config:
     # KL to the reference (kl.py)
     beta: float = opt(0.0, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
                       aliases=("--kl-coef",))
-    kl_control: str = opt("fixed", "how beta moves: fixed, ratio (report 002) or range (report 003)", choices=kl.CONTROLS)
-    kl_target: float = opt(0.01, "ratio control: the KL target")
+    kl_control: str = opt("fixed", "how beta moves: fixed, ratio (report 002), range (report 003) or "
+                                   "proportional (Ziegler et al., as TRL/verl/OpenRLHF)", choices=kl.CONTROLS)
+    kl_target: float = opt(0.01, "ratio and proportional control: the KL target")
+    kl_horizon: float = opt(10000.0, "proportional control: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon")
     kl_target_min: float = opt(0.01, "range control: lower beta below this KL")
     kl_target_max: float = opt(0.1, "range control: raise beta above this KL")
     kl_estimator: str = opt("k3", "per-token KL estimator", choices=kl.ESTIMATORS)
@@ -159,7 +161,11 @@ def validate(c: Config) -> Config:
          f"must be >= 0 (or -1 = no decay), got {c.entropy_coef_end}")
     need(c.kl_control == "fixed" or c.beta > 0, "kl-coef",
          f"adaptive --kl-control {c.kl_control} needs a starting --kl-coef > 0")
+    lo, hi = kl.KLController.CLAMP[c.kl_control]
+    need(c.kl_control == "fixed" or lo <= c.beta <= hi, "kl-coef",
+         f"--kl-control {c.kl_control} keeps beta in [{lo}, {hi}]; a starting --kl-coef {c.beta} is outside it")
     need(c.kl_target > 0, "kl-target", f"must be > 0, got {c.kl_target}")
+    need(c.kl_horizon > 0, "kl-horizon", f"must be > 0, got {c.kl_horizon}")
     need(0 < c.kl_target_min < c.kl_target_max, "kl-target-min",
          f"need 0 < --kl-target-min < --kl-target-max, got {c.kl_target_min} and {c.kl_target_max}")
     need(c.vf_coef >= 0, "vf-coef", f"must be >= 0, got {c.vf_coef}")

@@ -5,7 +5,22 @@ KL divergence", 2020), each an estimator of KL(policy || reference):
 
     k1 = -x = logp - logp_ref            unbiased; negative on some tokens; high variance
     k2 = x^2 / 2                         biased (exact only to second order); >= 0; low variance
-    k3 = exp(x) - x - 1                  unbiased; >= 0; low variance (GRPO's choice)
+    k3 = exp(x) - x - 1                  unbiased; >= 0; low variance (GRPO's choice); not
+                                         clamped (verl and OpenRLHF clamp it to [-10, 10])
+
+Their values and their gradients are different lessons. As *values* (the logged `kl`), k1
+and k3 are unbiased for KL(policy || reference) and k2 is not. As a *loss* (+ beta * k, the
+samples x ~ policy held fixed, as every trainer does), the expected gradient is
+
+    E[grad k1] = E[grad log pi(x)]                            = 0
+    E[grad k2] = E[log(pi(x)/ref(x)) grad log pi(x)]          = grad KL(policy || reference)
+    E[grad k3] = E[(1 - ref(x)/pi(x)) grad log pi(x)]         = grad KL(reference || policy)
+
+so k1 in the loss regularises nothing (its gradient is zero-mean noise), k2 pulls on the KL
+its name promises, and k3 (GRPO's choice, and TRL's and verl's default "low_var_kl") pulls
+on the *forward* KL, reference to policy: mass-covering, it punishes the policy for
+dropping tokens the reference likes more than for adding new ones. tests/test_kl.py proves
+all six claims on an exact categorical distribution.
 
 Where the KL goes (`--kl-in`): PPO's habit is a per-token penalty in the *reward*
 (r_t -= beta * kl_t, so GAE carries it); GRPO's is a term in the *loss* (+ beta * kl_t).
@@ -19,15 +34,25 @@ How beta moves (`--kl-control`), once per step, from the measured KL of the step
     range   report 003: beta x1.5 when KL > --kl-target-max, x0.8 when KL < --kl-target-min,
             unchanged in between; clamped to [0.001, 10] (the report's beta went 10 -> 0.001).
             Report 003 does not spell out its update factors; 1.5 and 0.8 are 002's.
+    proportional   Ziegler et al. (2019), as TRL's AdaptiveKLController and verl's and
+            OpenRLHF's adaptive controllers: e = clip(KL / T - 1, -0.2, 0.2),
+            beta *= 1 + e * n / horizon, n the samples of the step (N = B*K), horizon
+            --kl-horizon (10000, TRL's default). Smooth and slow: at most 0.2 * N / horizon
+            per step (0.13% at N = 64), where the reports' rules jump by x1.5 or x0.8. No clamp.
+
+The starting beta must lie in the rule's range (config.py refuses it otherwise; here it
+raises): a start outside would be clamped at the first update, a jump no rule asked for.
 
 A run starts at the reference, so KL starts at 0 and both adaptive rules first *lower* beta:
 with the range rule, beta keeps falling until KL climbs past kl_target_min, and stays at its
 floor if it never does.
 """
+from dataclasses import dataclass
+
 import torch
 
 ESTIMATORS = ("k1", "k2", "k3")
-CONTROLS = ("fixed", "ratio", "range")
+CONTROLS = ("fixed", "ratio", "range", "proportional")
 
 
 def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -42,31 +67,51 @@ def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") 
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
 
 
+@dataclass
+class KLRule:
+    """How beta moves: the control and the numbers it reads (train.py's --kl-* flags)."""
+    control: str = "fixed"
+    target: float = 0.01                  # ratio, proportional
+    target_min: float = 0.01              # range
+    target_max: float = 0.1               # range
+    horizon: float = 10000.0              # proportional
+    samples_per_step: int = 1             # proportional: Ziegler's n_steps (N = B*K here)
+
+
 class KLController:
     """beta for the next step, from the KL measured on this one."""
 
     UP, DOWN = 1.5, 0.8
-    CLAMP = {"fixed": (0.0, float("inf")), "ratio": (0.01, 1.0), "range": (0.001, 10.0)}
+    CLAMP = {"fixed": (0.0, float("inf")), "ratio": (0.01, 1.0), "range": (0.001, 10.0),
+             "proportional": (0.0, float("inf"))}
 
-    def __init__(self, beta: float, control: str = "fixed", target: float = 0.01,
-                 target_min: float = 0.01, target_max: float = 0.1):
-        if control not in CONTROLS:
-            raise ValueError(f"unknown KL control {control!r}; expected one of {CONTROLS}")
-        self.beta, self.control = beta, control
-        self.target, self.target_min, self.target_max = target, target_min, target_max
+    def __init__(self, beta: float, rule: KLRule | None = None):
+        rule = rule or KLRule()
+        if rule.control not in CONTROLS:
+            raise ValueError(f"unknown KL control {rule.control!r}; expected one of {CONTROLS}")
+        lo, hi = self.CLAMP[rule.control]
+        if not lo <= beta <= hi:
+            raise ValueError(f"starting beta {beta} is outside the {rule.control} rule's range [{lo}, {hi}]")
+        self.beta, self.rule = beta, rule
 
     def update(self, kl: float) -> float:
-        if self.control == "ratio":
-            high, low = 2 * self.target, 0.5 * self.target
-        elif self.control == "range":
-            high, low = self.target_max, self.target_min
+        rule = self.rule
+        if rule.control == "proportional":
+            # Ziegler et al.: a proportional controller on log(beta), its error clipped
+            error = min(max(kl / rule.target - 1, -0.2), 0.2)
+            self.beta *= 1 + error * rule.samples_per_step / rule.horizon
+            return self.beta
+        if rule.control == "ratio":
+            high, low = 2 * rule.target, 0.5 * rule.target
+        elif rule.control == "range":
+            high, low = rule.target_max, rule.target_min
         else:
             return self.beta
         if kl > high:
             self.beta *= self.UP
         elif kl < low:
             self.beta *= self.DOWN
-        lo, hi = self.CLAMP[self.control]
+        lo, hi = self.CLAMP[rule.control]
         self.beta = min(max(self.beta, lo), hi)
         return self.beta
 

@@ -230,7 +230,8 @@ def train(c: Config) -> dict:
     value_head = ppo.ValueHead(model.config.hidden_size).to(device) if c.algo == "ppo" else None
     params = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
     optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.0)
-    kl_control = kl.KLController(c.beta, c.kl_control, c.kl_target, c.kl_target_min, c.kl_target_max)
+    kl_control = kl.KLController(c.beta, kl.KLRule(c.kl_control, c.kl_target, c.kl_target_min,
+                                                   c.kl_target_max, c.kl_horizon, c.n))
     # bf16 autocast on a GPU; the lesson code is the same on both.
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" \
         else contextlib.nullcontext

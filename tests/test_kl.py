@@ -46,7 +46,7 @@ def test_unknown_estimator_raises():
 
 
 def test_report_002_ratio_rule_on_a_scripted_kl_sequence():
-    c = kl.KLController(beta=0.1, control="ratio", target=0.01)
+    c = kl.KLController(0.1, kl.KLRule("ratio", target=0.01))
     # KL > 2*target raises beta x1.5; < target/2 lowers it x0.8; in between leaves it.
     assert c.update(0.05) == pytest.approx(0.15)
     assert c.update(0.015) == pytest.approx(0.15)
@@ -60,7 +60,7 @@ def test_report_002_ratio_rule_on_a_scripted_kl_sequence():
 
 
 def test_report_003_range_rule_lets_beta_drift_to_its_floor_while_kl_stays_in_range():
-    c = kl.KLController(beta=10.0, control="range", target_min=0.01, target_max=0.1)
+    c = kl.KLController(10.0, kl.KLRule("range", target_min=0.01, target_max=0.1))
     assert c.update(20.0) == pytest.approx(10.0)                 # already at the ceiling
     betas = [c.update(0.005) for _ in range(60)]                 # KL below the range
     assert betas[0] == pytest.approx(8.0) and betas[-1] == 0.001  # x0.8 per step, to the floor
@@ -68,6 +68,76 @@ def test_report_003_range_rule_lets_beta_drift_to_its_floor_while_kl_stays_in_ra
     assert c.update(0.5) == pytest.approx(0.0015)                # above the range: x1.5
 
 
+def trl_adaptive_kl(value, target, horizon):
+    """A re-implementation of TRL's AdaptiveKLController (Ziegler et al. 2019)."""
+    def update(current, n_steps):
+        nonlocal value
+        proportional_error = min(max(current / target - 1, -0.2), 0.2)
+        value *= 1 + proportional_error * n_steps / horizon
+        return value
+    return update
+
+
+def test_proportional_rule_equals_trl_adaptive_kl_controller():
+    import random
+    rng = random.Random(0)
+    ours = kl.KLController(0.2, kl.KLRule("proportional", target=0.05, horizon=500, samples_per_step=64))
+    trl = trl_adaptive_kl(0.2, 0.05, 500)
+    for _ in range(100):
+        x = rng.choice([0.0, 0.01, 0.049, 0.051, 0.3, 5.0]) * rng.random()
+        assert ours.update(x) == pytest.approx(trl(x, 64), rel=1e-12)
+    c = kl.KLController(1.0, kl.KLRule("proportional", target=0.1, horizon=100, samples_per_step=10))
+    assert c.update(10.0) == pytest.approx(1.0 * (1 + 0.2 * 10 / 100))   # the error is clipped at +0.2
+    assert c.update(0.0) == pytest.approx(1.02 * (1 - 0.2 * 0.1))         # and at -0.2
+
+
+def test_a_starting_beta_outside_the_rule_s_range_is_refused():
+    with pytest.raises(ValueError, match="outside the ratio rule's range"):
+        kl.KLController(5.0, kl.KLRule("ratio"))
+    with pytest.raises(ValueError, match="outside the range rule's range"):
+        kl.KLController(0.0001, kl.KLRule("range"))
+
+
 def test_fixed_control_never_moves():
-    c = kl.KLController(beta=0.05)
+    c = kl.KLController(0.05)
     assert [c.update(x) for x in (0.0, 1.0, 100.0)] == [0.05, 0.05, 0.05]
+
+
+# ---- the estimator as a loss: its expected gradient (samples held fixed) ----
+
+def expected_value_and_gradient(estimator):
+    """E_{x ~ pi}[k(x)] and its gradient w.r.t. the policy's logits, computed exactly: the
+    expectation weights each outcome by pi(x) held fixed (the samples do not move with the
+    weights, as in every trainer), the estimator's own pi(x) carries the gradient."""
+    logits = P.log().clone().requires_grad_(True)
+    logp = torch.log_softmax(logits, -1)
+    value = (logp.exp().detach() * kl.estimate(logp, Q.log(), estimator)).sum()
+    (grad,) = torch.autograd.grad(value, logits)
+    return value.detach(), grad
+
+
+def closed_form_gradient(which):
+    logits = P.log().clone().requires_grad_(True)
+    pi = torch.softmax(logits, -1)
+    divergence = (pi * (pi / Q).log()).sum() if which == "policy||ref" else (Q * (Q / pi).log()).sum()
+    (grad,) = torch.autograd.grad(divergence, logits)
+    return grad
+
+
+def test_k1_in_the_loss_has_zero_expected_gradient():
+    value, grad = expected_value_and_gradient("k1")
+    torch.testing.assert_close(value, EXACT)                          # an unbiased value ...
+    torch.testing.assert_close(grad, torch.zeros(4), atol=1e-7, rtol=0)  # ... that regularises nothing
+
+
+def test_k2_in_the_loss_gives_the_gradient_of_kl_policy_to_reference():
+    value, grad = expected_value_and_gradient("k2")
+    assert value != pytest.approx(EXACT.item(), rel=1e-3)             # a biased value ...
+    torch.testing.assert_close(grad, closed_form_gradient("policy||ref"))  # ... the right gradient
+
+
+def test_k3_in_the_loss_gives_the_gradient_of_the_forward_kl_reference_to_policy():
+    value, grad = expected_value_and_gradient("k3")
+    torch.testing.assert_close(value, EXACT)                          # an unbiased value of KL(pi||ref) ...
+    torch.testing.assert_close(grad, closed_form_gradient("ref||policy"))  # ... pulls on KL(ref||pi)
+    assert not torch.allclose(grad, closed_form_gradient("policy||ref"), atol=1e-3)

@@ -148,6 +148,8 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
     (["--kl-control", "pid"], "--kl-control"),
     (["--kl-control", "ratio"], "--kl-coef"),                           # adaptive from beta 0
     (["--kl-target-min", "0.2", "--kl-target-max", "0.1"], "--kl-target-min"),
+    (["--kl-control", "ratio", "--kl-coef", "5"], "--kl-coef"),          # outside [0.01, 1]
+    (["--kl-control", "proportional", "--kl-coef", "0.1", "--kl-horizon", "0"], "--kl-horizon"),
     (["--kl-estimator", "k4"], "--kl-estimator"),
     (["--gamma", "1.5"], "--gamma"),
     (["--lam", "-0.1"], "--lam"),

@@ -137,3 +137,13 @@ def test_one_non_finite_mini_batch_of_four_still_counts_as_an_update(tmp_path, m
     row = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1]
     assert row["steps_taken"] == 3 and row["skipped_nonfinite"] == 1 and row["updated"] is True
     assert summary["updates"] == 1
+
+
+def test_proportional_kl_control_moves_beta_as_ziegler_s_rule_says(tmp_path):
+    argv = quick(tmp_path, "run", "--kl-control", "proportional", "--kl-coef", "0.1", "--kl-target", "0.5",
+                 "--kl-horizon", "40")
+    train.train(config.parse_config(argv))
+    rows = read(tmp_path / "run" / "metrics.jsonl")[1:]
+    for a, b in zip(rows, rows[1:]):                      # beta of step t+1 from the KL of step t, N = 8
+        error = min(max(a["kl"] / 0.5 - 1, -0.2), 0.2)
+        assert b["kl_coef"] == pytest.approx(a["kl_coef"] * (1 + error * 8 / 40))
