@@ -25,6 +25,8 @@ lands. Nothing here raises on any string: the parser returns None for what it ca
 """
 import re
 
+import tool_env
+
 OPERATORS = ("Custom", "Programmer", "Review", "Revise", "ScEnsemble",
              "AnswerGenerate", "Test", "Format")
 MAX_STEPS = 8
@@ -141,7 +143,7 @@ def format_reward(episode: list, texts: list) -> float:
     texts: the policy's turns, as given to ToolEnv.step."""
     stages = 0
     joined = "\n".join(t if isinstance(t, str) else "" for t in texts)
-    if re.search(r"<think>.*?</think>", joined, re.DOTALL):
+    if tool_env.tag_body(joined, "think") is not None:           # linear, whatever the text
         stages = 1
         if any(t.get("tool") for t in episode):
             stages = 2

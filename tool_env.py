@@ -50,8 +50,19 @@ STOP_STRINGS = ("</tool_call>", "</answer>")
 MAX_TURN_CHARS = 2000          # a longer turn is "too_long"
 MAX_JSON_CHARS = 1000
 
-_TAG = {name: re.compile(rf"<{name}>(.*?)</{name}>", re.DOTALL)
-        for name in ("think", "tool_call", "answer")}
+
+
+def tag_body(text: str, name: str) -> str | None:
+    """The text between the first <name> and the first </name> after it, or None. Two
+    str.find calls: linear in len(text) whatever the text (a regex `<name>(.*?)</name>`
+    rescans the rest of the text from every unclosed <name>, which is quadratic)."""
+    start = text.find(f"<{name}>")
+    if start < 0:
+        return None
+    start += len(name) + 2
+    end = text.find(f"</{name}>", start)
+    return None if end < 0 else text[start:end]
+
 # The same character 8+ times ("!!!!!!!!") or the same word 6+ times in a row.
 _DEGENERATE = re.compile(r"(\S)\1{7,}|\b(\w+)(?:\s+\2\b){5,}")
 
@@ -73,8 +84,11 @@ def run_tool(name: str, args: dict, kb: dict) -> str:
 
 
 def parse_call(text: str) -> tuple[str | None, str | None, dict | None]:
-    """(failure, tool name, arguments) of the first <tool_call> in text."""
-    body = _TAG["tool_call"].search(text).group(1).strip()
+    """(failure, tool name, arguments) of the first <tool_call> in text ("no_action" without one)."""
+    body = tag_body(text, "tool_call")
+    if body is None:
+        return "no_action", None, None
+    body = body.strip()
     if len(body) > MAX_JSON_CHARS:
         return "malformed_json", None, None
     try:
@@ -130,12 +144,12 @@ class ToolEnv:
             info["failure"] = "too_long"
         elif _DEGENERATE.search(text):
             info["failure"] = "degenerate"
-        elif _TAG["answer"].search(text):
-            given = _TAG["answer"].search(text).group(1).strip().replace(" ", "")
+        elif tag_body(text, "answer") is not None:
+            given = tag_body(text, "answer").strip().replace(" ", "")
             param, value = self.solution
             info.update(answered=True, correct=given == f"{param}={value}")
             self.done = True
-        elif _TAG["tool_call"].search(text):
+        elif tag_body(text, "tool_call") is not None:
             failure, name, args = parse_call(text)
             info.update(failure=failure, tool=name)
             self.counts["tool_calls"] += 1

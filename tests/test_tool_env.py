@@ -9,7 +9,7 @@ import pytest
 
 import rewards
 import tool_env
-from tool_env import KNOWLEDGE_BASE, ToolEnv
+from tool_env import KNOWLEDGE_BASE, ToolEnv, parse_call, tag_body
 
 
 def call(name, **args):
@@ -161,3 +161,35 @@ def test_ten_thousand_hostile_strings_get_typed_outcomes_and_finite_rewards(monk
     assert ran == [] and not (tmp_path / "PWNED").exists()      # nothing was ever executed
     assert n_episodes > 3000
     assert sum(env.counts[k] for k in tool_env.FAILURES) > 0
+
+
+def test_parsers_are_linear_on_a_million_hostile_characters():
+    """Unclosed tags repeated to 1e6 characters: a regex `<t>(.*?)</t>` rescans the tail from
+    every opening (quadratic: over 5 s); the parsers here take well under a second."""
+    import time
+    import rewards
+    hostile = ["<think>" * 142_858, "<tool_call>" * 90_910, "<answer>" * 125_000, "<" * 1_000_000]
+    t0 = time.perf_counter()
+    for text in hostile:
+        assert rewards.format_reward([], [text]) == 0.0
+        for name in ("think", "tool_call", "answer"):
+            assert tag_body(text, name) is None
+        assert parse_call(text) == ("no_action", None, None)
+        rewards.classify(text, "Custom")
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_tag_body_equals_the_lazy_regex_on_random_texts():
+    import random
+    import re
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "<answer>", "</answer>", "a", " ", "<", ">", "/"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        for name in ("think", "answer"):
+            m = re.search(rf"<{name}>(.*?)</{name}>", text, re.DOTALL)
+            assert tag_body(text, name) == (m.group(1) if m else None), text
+
+
+def test_parse_call_without_a_tag_is_no_action_not_an_attribute_error():
+    assert parse_call("no tag here") == ("no_action", None, None)
