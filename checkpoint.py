@@ -18,6 +18,7 @@ Resume. `python train.py --resume RUN` loads the newest checkpoint, cuts the log
 steps it covers, and goes on; on the CPU the metrics equal those of an uninterrupted run.
 """
 import json
+import math
 import os
 import random
 import shutil
@@ -31,15 +32,36 @@ STATE_FILE = "trainer_state.pt"
 
 # ---- crash-safe logs ----
 
+def finite_json(row: dict) -> tuple[dict, list]:
+    """The row with every NaN/inf float replaced by null (bare NaN and Infinity are not JSON,
+    and other languages' parsers reject them), and the keys that held one."""
+    bad = []
+
+    def clean(x, key):
+        if isinstance(x, float) and not math.isfinite(x):
+            bad.append(key)
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v, f"{key}.{k}" if key else k) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v, key) for v in x]
+        return x
+    return clean(row, ""), bad
+
+
 class JsonlLog:
-    """Append-only JSON-lines file: one complete line per os.write, nothing buffered."""
+    """Append-only JSON-lines file: one complete line per os.write, nothing buffered. A
+    non-finite number is written as null, and the line lists its keys under `nonfinite_logged`."""
 
     def __init__(self, path: Path, append: bool):
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
         self.fd = os.open(path, flags, 0o644)
 
     def write(self, row: dict) -> None:
-        data = (json.dumps(row) + "\n").encode()
+        row, bad = finite_json(row)
+        if bad:
+            row["nonfinite_logged"] = bad
+        data = (json.dumps(row, allow_nan=False) + "\n").encode()
         while data:                       # os.write may write less than asked; finish the line
             data = data[os.write(self.fd, data):]
 
@@ -47,15 +69,27 @@ class JsonlLog:
         os.close(self.fd)
 
 
-def truncate_log(path: Path, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (a resumed run redoes the rest)."""
+def truncate_log(path: Path, last_step: int) -> int:
+    """Keep the lines of steps <= last_step (a resumed run redoes the rest). A line that is
+    not a whole JSON object (a kill or a full disk mid-write tears the last one) is dropped;
+    returns how many were."""
     if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+        return 0
+    keep, torn = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        if step <= last_step:
+            keep.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
+    return torn
 
 
 # ---- checkpoints ----
@@ -80,26 +114,62 @@ def save(run_dir: Path, step: int, model, tok, optimizer, loop_state: dict,
     return final
 
 
-def find(path: Path) -> Path | None:
-    """The checkpoint at `path` itself, or the newest complete one under path/checkpoints."""
+def candidates(path: Path) -> list[Path]:
+    """The checkpoint at `path` itself, or the complete ones under path/checkpoints, newest first."""
     path = Path(path)
     if (path / STATE_FILE).is_file():
-        return path
+        return [path]
     done = [p for p in (path / "checkpoints").glob("step-*")
             if not p.name.endswith(".tmp") and (p / STATE_FILE).is_file()]
-    return max(done, key=lambda p: p.name) if done else None
+    return sorted(done, key=lambda p: p.name, reverse=True)
+
+
+def find(path: Path) -> Path | None:
+    """The checkpoint at `path` itself, or the newest complete one under path/checkpoints."""
+    found = candidates(path)
+    return found[0] if found else None
 
 
 def run_dir_of(ckpt: Path) -> Path:
     return Path(ckpt).parent.parent       # RUN/checkpoints/step-N -> RUN
 
 
+class ResumeError(ValueError):
+    """No checkpoint of the run loads; train.py turns it into one line, exit 2."""
+
+
+def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) -> tuple[dict, Path]:
+    """Restore from the newest checkpoint under path that loads whole (or path itself); a
+    damaged one (a truncated weights file, an unreadable state) is skipped, saying which and
+    why. Returns (loop state, the checkpoint used); raises ValueError when none loads."""
+    reasons = []
+    for ckpt in candidates(path):
+        try:
+            state = restore(ckpt, model, optimizer, rng)
+        except Exception as e:          # any damage: safetensors, pickle, shape or key errors
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            log(f"resume: skipped damaged checkpoint {ckpt} ({reason})")
+            reasons.append(f"{ckpt.name}: {reason}")
+            continue
+        return state, ckpt
+    raise ResumeError(f"--resume: no checkpoint in {str(path)!r} loads ({'; '.join(reasons) or 'none found'})")
+
+
 def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
-    """Load weights, optimizer and RNG states from a checkpoint; return its loop state."""
+    """Load weights, optimizer and RNG states from a checkpoint; return its loop state. Nothing
+    is changed unless everything loads."""
     saved = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32)
-    model.load_state_dict(saved.state_dict())
     state = torch.load(Path(ckpt) / STATE_FILE, weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
+    weights = saved.state_dict()
+    if set(weights) != set(model.state_dict()):
+        raise ValueError("its weights do not match the model")
+    before = optimizer.state_dict()
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError):
+        optimizer.load_state_dict(before)
+        raise
+    model.load_state_dict(weights)
     rng.setstate(_as_tuple(state["python_rng"]))
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] and torch.cuda.is_available():

@@ -223,24 +223,36 @@ class _OneLineParser(argparse.ArgumentParser):
         fail(message)
 
 
-def parse_config(argv=None) -> Config:
-    """The CLI, built from Config's fields: --field-name with the field's help."""
+def _parser(explicit_only: bool = False) -> argparse.ArgumentParser:
+    """The CLI, built from Config's fields: --field-name with the field's help. explicit_only:
+    a flag not on the command line is left out of the result (to tell what the user gave)."""
     parser = _OneLineParser(description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
                                         "task or report 000's tool-calling task; each flag is a "
                                         "field of config.Config.",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                            argument_default=argparse.SUPPRESS if explicit_only else None)
     for f in dataclasses.fields(Config):
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+        default = argparse.SUPPRESS if explicit_only else f.default
         if f.type is bool or f.type == "bool":
-            parser.add_argument(*flags, action="store_true", help=f.metadata["help"])
+            parser.add_argument(*flags, action="store_true", default=default, help=f.metadata["help"])
         else:
-            parser.add_argument(*flags, type=type(f.default), default=f.default,
+            parser.add_argument(*flags, type=type(f.default), default=default,
                                 choices=f.metadata.get("choices"), help=f.metadata["help"])
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_config(argv=None) -> Config:
+    """The CLI: parse, resolve --resume, validate; bad input ends in one line and exit 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    given = vars(_parser(explicit_only=True).parse_args(argv))
     try:
         c = Config(**vars(args))
-        if c.resume:
-            c = resumed_config(c)
+        if "resume" in given:
+            if not c.resume.strip():
+                raise ConfigError("--resume: needs the folder of the run to continue, got an empty string")
+            c = resumed_config(c, given)
         return validate(c)
     except ConfigError as e:
         fail(str(e))
@@ -249,25 +261,34 @@ def parse_config(argv=None) -> Config:
 RESUME_MAY_CHANGE = ("steps", "quiet", "resume")
 
 
-def resumed_config(given: Config) -> Config:
-    """The saved configuration of the run being resumed, with --steps/--quiet from the CLI."""
-    ckpt = checkpoint.find(Path(given.resume))
+def resumed_config(c: Config, given: dict) -> Config:
+    """The saved configuration of the run being resumed. A flag given on the command line must
+    equal the saved value (re-running the original command with --resume added works);
+    --steps may extend the run, --quiet may change."""
+    ckpt = checkpoint.find(Path(c.resume))
     if ckpt is None:
-        raise ConfigError(f"--resume: no checkpoint in {given.resume!r} (expected a run folder "
+        raise ConfigError(f"--resume: no checkpoint in {c.resume!r} (expected a run folder "
                           f"with checkpoints/step-*/ or a checkpoint folder)")
     run_dir = checkpoint.run_dir_of(ckpt)
     try:
         saved = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
         raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r}")
-    defaults = Config()
-    changed = [f.name for f in dataclasses.fields(Config) if f.name not in RESUME_MAY_CHANGE
-               and getattr(given, f.name) != getattr(defaults, f.name)]
-    if changed:
-        flags = ", ".join("--" + n.replace("_", "-") for n in changed)
-        raise ConfigError(f"--resume: uses the run's saved configuration; {flags} cannot be "
-                          f"changed (only --steps and --quiet can)")
-    merged = {**saved, "resume": str(ckpt), "out": str(run_dir), "quiet": given.quiet}
-    if given.steps != defaults.steps:
-        merged["steps"] = given.steps
-    return Config(**{k: v for k, v in merged.items() if k in {f.name for f in dataclasses.fields(Config)}})
+    names = {f.name for f in dataclasses.fields(Config)}
+    saved = {k: v for k, v in saved.items() if k in names}
+    saved["out"] = str(run_dir)
+    for name, value in given.items():
+        if name in RESUME_MAY_CHANGE:
+            continue
+        same = Path(value).resolve() == run_dir.resolve() if name == "out" else value == saved.get(name)
+        if not same:
+            raise ConfigError(f"--resume: --{name.replace('_', '-')} was {saved.get(name)!r} in the saved "
+                              f"run and is {value!r} now; a resumed run keeps its configuration "
+                              f"(only --steps and --quiet can change)")
+    merged = {**saved, "resume": str(run_dir if (Path(c.resume) / "checkpoints").is_dir() else ckpt),
+              "quiet": c.quiet, "steps": c.steps if "steps" in given else saved.get("steps", c.steps)}
+    at = int(ckpt.name.split("-")[-1]) if ckpt.name.startswith("step-") else 0
+    if merged["steps"] <= at:
+        raise ConfigError(f"--steps: the run's newest checkpoint is at step {at}; give --steps above "
+                          f"{at} to continue it (it is {merged['steps']})")
+    return Config(**merged)

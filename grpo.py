@@ -65,7 +65,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 def head_logits(model, h: torch.Tensor) -> torch.Tensor:
     """The model's logits from last hidden states h (rows, C, H), in float32: the LM head with
     autocast switched off (a bf16 head costs log-probs ~0.01 at a 100-word vocabulary, more
-    at a real one), then what the model's own forward does to its logits after the head:
+    at a real one; the weights are float32, train.load's choice), then what the model's own
+    forward does to its logits after the head:
 
         Gemma 2/3   final_logit_softcapping c:  logits = c * tanh(logits / c)
         Cohere      logit_scale s:              logits = s * logits
@@ -73,9 +74,8 @@ def head_logits(model, h: torch.Tensor) -> torch.Tensor:
 
     A model that does something else is refused at load (`check_logprobs`)."""
     head = model.get_output_embeddings()
-    with torch.autocast(device_type=h.device.type, enabled=False):
-        bias = head.bias.float() if getattr(head, "bias", None) is not None else None
-        logits = torch.nn.functional.linear(h.float(), head.weight.float(), bias)     # (rows, C, V)
+    with torch.autocast(device_type=h.device.type, enabled=False):     # the module itself, so its
+        logits = head(h.to(head.weight.dtype)).float()                  # hooks run; (rows, C, V)
     cfg = model.config
     if getattr(cfg, "final_logit_softcapping", None):
         logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping

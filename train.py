@@ -245,14 +245,16 @@ def train(c: Config) -> dict:
                  prev=None,                                      # prev: (updated, on-format rate)
                  first_eval=None, last_eval=None, monitor=None, kl_control=None, value_head=None)
     if c.resume:
-        state = checkpoint.restore(Path(c.resume), model, optimizer, rng)
+        state, used = checkpoint.restore_newest(Path(c.resume), model, optimizer, rng, say)
         watch.load_state_dict(state["monitor"])
         kl_control.load_state_dict(state["kl_control"])
         if value_head is not None:
             value_head.load_state_dict(state["value_head"])
         for name in ("metrics.jsonl", "samples.jsonl"):
-            checkpoint.truncate_log(out / name, state["step"])
-        say(f"resumed from {c.resume} at step {state['step']}")
+            torn = checkpoint.truncate_log(out / name, state["step"])
+            if torn:
+                say(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
+        say(f"resumed from {used} at step {state['step']}")
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(c), indent=2))
     metrics = checkpoint.JsonlLog(out / "metrics.jsonl", append=bool(c.resume))
     samples = checkpoint.JsonlLog(out / "samples.jsonl", append=bool(c.resume))
@@ -376,6 +378,6 @@ if __name__ == "__main__":
     config = parse_config()
     try:
         summary = train(config)
-    except policy.ModelError as e:                 # found while loading, before any training
+    except (policy.ModelError, checkpoint.ResumeError) as e:   # found while loading, before training
         fail(str(e))
     sys.exit(1 if summary["stopped"] else 0)

@@ -284,7 +284,13 @@ def test_completion_logprobs_apply_the_model_s_own_logit_post_processing(name):
 def test_a_model_with_an_unknown_logit_transform_is_detected_and_refused(tmp_path, monkeypatch):
     import policy
     model = tiny_model()
-    model.get_output_embeddings().register_forward_hook(lambda mod, args, out: out * 3)  # unknown to us
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):                          # a transform after the head, unknown to us
+        out = real_forward(*args, **kwargs)
+        out.logits = out.logits * 3
+        return out
+    model.forward = forward
     assert grpo.check_logprobs(model) > 1e-2
     folder = tmp_path / "gemma2"                               # a saved model we would get wrong
     gemma = post_processing_models()["gemma2"]

@@ -205,3 +205,60 @@ def test_monitor_alerts_once_per_episode_on_a_scripted_run():
     copy = monitor.StabilityMonitor(window=3)
     copy.load_state_dict(m.state_dict())
     assert copy.update(0.9, 1.0, 0.1) == m.update(0.9, 1.0, 0.1)
+
+
+# ---- resume that does what the user means ----
+
+def test_resume_accepts_the_original_command_and_names_both_values_of_a_changed_flag(tmp_path, capsys):
+    argv = flags(tmp_path, "run", "--save-every", "2")
+    train.train(config.parse_config(argv))
+    again = config.parse_config(argv + ["--resume", str(tmp_path / "run"), "--steps", "6"])
+    assert again.steps == 6 and again.k == 4 and again.save_every == 2
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(["--resume", str(tmp_path / "run"), "--k", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--k was 4" in err and "is 8 now" in err and len(err.splitlines()) == 1
+    for bad, flag in ((["--steps", "3"], "--steps"), ([], "--steps"), (["--steps", "4"], "--steps")):
+        with pytest.raises(SystemExit) as e:               # at or below the checkpoint's step 4
+            config.parse_config(["--resume", str(tmp_path / "run"), *bad])
+        assert e.value.code == 2 and flag in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(["--resume", ""])
+    assert e.value.code == 2 and "--resume" in capsys.readouterr().err
+
+
+def test_resume_drops_a_torn_last_log_line(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-000004")
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "best')                                   # a kill mid-write
+    c = config.parse_config(["--resume", str(tmp_path / "run")])
+    train.train(c)
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert "dropped 1 torn line(s) of metrics.jsonl" in capsys.readouterr().err
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_for_the_newest_good_one(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "6", "--save-every", "2")))
+    weights_file = tmp_path / "run" / "checkpoints" / "step-000006" / "model.safetensors"
+    with open(weights_file, "r+b") as f:
+        f.truncate(1000)
+    train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "8"]))
+    err = capsys.readouterr().err
+    assert "skipped damaged checkpoint" in err and "step-000006" in err and "step-000004" in err
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == list(range(9))
+    for ckpt in (tmp_path / "run" / "checkpoints").glob("step-*"):   # every one damaged
+        (ckpt / "model.safetensors").write_bytes(b"broken")
+    with pytest.raises(checkpoint.ResumeError, match="no checkpoint in"):
+        train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "12", "--quiet"]))
+
+
+def test_non_finite_numbers_are_logged_as_null_and_named(tmp_path):
+    log = checkpoint.JsonlLog(tmp_path / "m.jsonl", append=False)
+    log.write({"step": 1, "grad_norm": float("nan"), "loss": float("inf"), "nested": {"x": [1.0, float("-inf")]}})
+    log.close()
+    text = (tmp_path / "m.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    row = json.loads(text)
+    assert row["grad_norm"] is None and row["loss"] is None and row["nested"]["x"] == [1.0, None]
+    assert row["nonfinite_logged"] == ["grad_norm", "loss", "nested.x"]
