@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import random
 import resource
 import statistics
@@ -29,8 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+import config
 
 CONFIGS = {   # model shape and the work per step
     "tiny": dict(vocab=3072, hidden=128, layers=2, heads=4, kv=2, inter=512, b=8, k=8, new=32, prompt=16),
@@ -243,8 +247,18 @@ def summarise(run: dict, warmup: int) -> dict:
     return s
 
 
+def writable_file(path: Path) -> bool:
+    """Whether path can be created or overwritten (its folder is created if need be)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config.OneLineParser(prog="bench.py", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs"))
     p.add_argument("--config", default="tiny", choices=tuple(CONFIGS))
     p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
@@ -265,6 +279,12 @@ def main(argv=None):
         return
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    if args.pairs < 1:
+        p.error(f"--pairs must be >= 1, got {args.pairs}")
+    if args.json and not writable_file(Path(args.json)):
+        p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
     if args.what == "logprobs":
         return logprobs_report(args)
     if args.vs_trl:
@@ -303,7 +323,6 @@ def main(argv=None):
         print(f"  median ratio ours/TRL over {len(ratios)} pairs: {result['ratio']:.2f}; peak memory "
               f"ours {result['ours_peak_mb']:.0f} MB vs TRL {result['trl_peak_mb']:.0f} MB")
     if args.json:
-        from pathlib import Path
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(f"wrote {args.json}")

@@ -22,6 +22,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -92,6 +94,37 @@ def truncate_log(path: Path, last_step: int) -> int:
     return torn
 
 
+# ---- signals ----
+
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+class Interrupts:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's kill) do not kill the run mid-step: the
+    signal is noted, the loop finishes its step, saves a checkpoint, writes the summary
+    marked `interrupted`, and train.py exits 128 + the signal (130, 143). A second signal
+    stops at once. Handlers can be set only in the main thread; elsewhere this does nothing."""
+
+    def __init__(self, log=print):
+        self.signal, self.log, self.saved = None, log, {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS.values():
+                self.saved[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signal:                                     # the second one: stop now
+            raise KeyboardInterrupt(name)
+        self.signal = name
+        self.log(f"{name}: finishing this step, then saving a checkpoint and stopping "
+                 f"(send it again to stop at once)")
+
+    def restore(self) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+        self.saved = {}
+
+
 # ---- checkpoints ----
 
 def save(run_dir: Path, step: int, model, tok, optimizer, loop_state: dict,
@@ -101,17 +134,49 @@ def save(run_dir: Path, step: int, model, tok, optimizer, loop_state: dict,
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)                # left by a crash during an earlier save
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "loop": loop_state,
-                "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / STATE_FILE)
+    try:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "loop": loop_state,
+                    "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   tmp / STATE_FILE)
+        _fsync_tree(tmp)                  # the files' bytes on disk before the rename ...
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # a full disk: no half checkpoint left behind
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)                # the rename is the commit point
-    return final
+    _fsync(final.parent)                  # ... and the rename itself: a power cut or an OS
+    return final                          # crash then leaves the old or the new checkpoint, whole
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in Path(folder).rglob("*"):
+        if p.is_file():
+            _fsync(p)
+    _fsync(folder)
+
+
+def prune(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints of a run (keep 0: delete none);
+    returns what was deleted."""
+    if keep <= 0:
+        return []
+    old = candidates(run_dir)[keep:]
+    for p in old:
+        shutil.rmtree(p)
+    return old
 
 
 def candidates(path: Path) -> list[Path]:

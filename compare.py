@@ -15,6 +15,7 @@ import argparse
 import json
 import shlex
 import statistics
+import sys
 import textwrap
 from pathlib import Path
 
@@ -33,12 +34,20 @@ def run_setting(argv: list, seeds: int, out: Path) -> list[dict]:
     for seed in range(seeds):
         c = config.parse_config(argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"])
         summaries.append(train.train(c))
+        if summaries[-1]["interrupted"]:          # Ctrl-C stopped that run cleanly: stop here too
+            raise KeyboardInterrupt(summaries[-1]["interrupted"])
     return summaries
 
 
 def spread(xs: list) -> str:
-    sd = statistics.pstdev(xs) if len(xs) > 1 else 0.0
-    return f"{statistics.mean(xs):.2f} ± {sd:.2f} [{min(xs):.2f}–{max(xs):.2f}]"
+    """mean ± std [min–max] of the values there are; a run without the value (None) is left
+    out and counted: "(5 of 6 runs)"."""
+    there = [x for x in xs if x is not None]
+    if not there:
+        return f"n/a (0 of {len(xs)} runs)"
+    sd = statistics.pstdev(there) if len(there) > 1 else 0.0
+    out = f"{statistics.mean(there):.2f} ± {sd:.2f} [{min(there):.2f}–{max(there):.2f}]"
+    return out if len(there) == len(xs) else f"{out} ({len(there)} of {len(xs)} runs)"
 
 
 # The standard columns per task: (header, summary key) with the spread over seeds.
@@ -60,7 +69,7 @@ def table(results: dict, columns=()) -> str:
     head = ["setting", *[h for h, _ in cols], *tail, "s per run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, runs in results.items():
-        cells = [f"`{name}`", *[spread([r[k] for r in runs]) for _, k in cols]]
+        cells = [f"`{name}`", *[spread([r.get(k) for r in runs]) for _, k in cols]]
         if task == "dsl":
             cells += [f"{sum(r['ended_off_format'] for r in runs)}/{len(runs)}",
                       f"{statistics.mean(r['crash_rate'] for r in runs):.2f}",
@@ -112,7 +121,8 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config.OneLineParser(prog="compare.py", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("settings", nargs="+", help="train.py flags for one setting, quoted")
     p.add_argument("--seeds", type=int, default=6)
     p.add_argument("--common", default="", help="flags shared by every setting")
@@ -125,9 +135,13 @@ def main(argv=None):
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     common = shlex.split(args.common)
-    for s in args.settings:                       # fail on a bad setting before any run
-        config.parse_config(common + shlex.split(s) + ["--out", str(args.out)])
     columns = [x for x in args.columns.split(",") if x]
+    for s in args.settings:                       # fail on a bad setting or column before any run
+        c = config.parse_config(common + shlex.split(s) + ["--out", str(args.out)])
+        unknown = [col for col in columns if col not in train.summary_keys(train.TASKS[c.task])]
+        if unknown:
+            p.error(f"--columns: {unknown[0]!r} is not a summary.json key of --task {c.task}; one of: "
+                    f"{', '.join(sorted(train.summary_keys(train.TASKS[c.task])))}")
     results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","), columns)
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
@@ -151,4 +165,8 @@ def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("e
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("compare.py: interrupted; the finished runs' folders are kept", file=sys.stderr)
+        sys.exit(130)

@@ -11,6 +11,7 @@ only --steps (to extend the run) and --quiet may be given with it.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -94,6 +95,7 @@ class Config:
     quiet: bool = opt(False, "no progress line")
     # surviving failures (checkpoint.py, monitor.py)
     save_every: int = opt(0, "write a checkpoint every this many steps; 0 = only when a run stops early")
+    keep_checkpoints: int = opt(0, "keep only this many newest checkpoints; 0 = keep all")
     resume: str = opt("", "continue the run in this folder (or from this checkpoint folder)")
     max_skips: int = opt(10, "stop the run (with a checkpoint) once more optimizer steps than this were non-finite")
     alert_entropy: float = opt(0.5, "monitor: alert when the token-mean entropy falls below this (report 002)")
@@ -137,6 +139,13 @@ def validate(c: Config) -> Config:
     def need(ok, flag, what):
         if not ok:
             raise ConfigError(f"--{flag}: {what}")
+    for f in dataclasses.fields(Config):           # inf and nan pass every comparison below
+        value = getattr(c, f.name)
+        need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
+             f"must be a finite number, got {value}")
+    need(0 <= c.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {c.seed}")
+    need(0 <= c.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {c.sft_seed}")
+    need(c.sft_lr > 0, "sft-lr", f"must be > 0, got {c.sft_lr}")
     need(c.k >= 1, "k", f"must be >= 1, got {c.k}")
     need(c.norm not in advantages.GROUP_NORMS or c.k >= 2, "k",
          f"norm {c.norm!r} compares samples within a group and needs --k >= 2, got {c.k}")
@@ -183,6 +192,7 @@ def validate(c: Config) -> Config:
     need(c.layers >= 1, "layers", f"must be >= 1, got {c.layers}")
     need(c.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {c.sft_steps}")
     need(c.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {c.save_every}")
+    need(c.keep_checkpoints >= 0, "keep-checkpoints", f"must be >= 0 (0 = all), got {c.keep_checkpoints}")
     need(c.max_skips >= 0, "max-skips", f"must be >= 0, got {c.max_skips}")
     need(c.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {c.alert_entropy}")
     need(c.alert_kl > 0, "alert-kl", f"must be > 0, got {c.alert_kl}")
@@ -192,17 +202,49 @@ def validate(c: Config) -> Config:
     need(not c.compile or (c.device != "cpu" and torch.cuda.is_available()), "compile",
          "needs a GPU (--device auto or cuda, with CUDA visible)")
     if c.model:
-        path = Path(c.model)
-        need(path.is_dir() and (path / "config.json").is_file(), "model",
-             f"{c.model!r} is not a readable model folder (no config.json)")
+        need(not model_folder_problem(Path(c.model)), "model",
+             f"{c.model!r}: {model_folder_problem(Path(c.model))}")
+    else:
+        need(writable(Path(c.cache_dir)), "cache-dir", f"cannot create or write to the folder {c.cache_dir!r}")
     out = Path(c.out or default_out(c))
-    try:                               # the one side effect of validation: the run's folder
-        out.mkdir(parents=True, exist_ok=True)
-        ok = os.access(out, os.W_OK)
-    except OSError:
-        ok = False
-    need(ok, "out", f"cannot create or write to the folder {str(out)!r}")
+    # the one side effect of validation: the run's folder
+    need(writable(out), "out", f"cannot create or write to the folder {str(out)!r}")
     return c
+
+
+MAX_SEED = 2 ** 32 - 1          # seed * 100003 + step must stay inside a torch.Generator's 64 bits
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+           "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def writable(folder: Path) -> bool:
+    """Create folder (and its parents) if needed; True when we can write into it."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False
+
+
+def model_folder_problem(path: Path) -> str | None:
+    """Why a --model folder cannot be loaded, or None: it needs a config.json that parses,
+    weights, and a tokenizer."""
+    if not path.is_dir():
+        return "not a folder"
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except OSError:
+        return "no readable config.json"
+    except ValueError as e:
+        return f"config.json is not valid JSON ({e})"
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        return "config.json names no model_type"
+    if not any((path / name).is_file() for name in WEIGHTS):
+        return f"no weights (none of {', '.join(WEIGHTS)})"
+    if not any((path / name).is_file() for name in TOKENIZER):
+        return f"no tokenizer (none of {', '.join(TOKENIZER)})"
+    return None
 
 
 def default_out(c: Config) -> str:
@@ -218,19 +260,22 @@ def fail(message: str):
     sys.exit(2)
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit 2 (train.py, compare.py, lab.py, bench.py)."""
     def error(self, message):        # one line instead of usage + error
-        fail(message)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _parser(explicit_only: bool = False) -> argparse.ArgumentParser:
     """The CLI, built from Config's fields: --field-name with the field's help. explicit_only:
     a flag not on the command line is left out of the result (to tell what the user gave)."""
-    parser = _OneLineParser(description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
-                                        "task or report 000's tool-calling task; each flag is a "
-                                        "field of config.Config.",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                            argument_default=argparse.SUPPRESS if explicit_only else None)
+    parser = OneLineParser(prog="train.py",
+                           description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
+                                       "task or report 000's tool-calling task; each flag is a "
+                                       "field of config.Config.",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           argument_default=argparse.SUPPRESS if explicit_only else None)
     for f in dataclasses.fields(Config):
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = argparse.SUPPRESS if explicit_only else f.default

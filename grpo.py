@@ -105,6 +105,20 @@ def check_logprobs(model, tokens: int = 12, seed: int = 0) -> float:
     return (ours - ref).abs().max().item()
 
 
+@torch.no_grad()
+def forward_is_finite(model, tokens: int = 8) -> bool:
+    """Whether the model's logits are finite on a few random tokens (train.py checks this
+    before it writes a checkpoint)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    finite = bool(torch.isfinite(model(input_ids=ids).logits).all())
+    model.train(was_training)
+    return finite
+
+
 def completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature: float = 1.0, with_entropy: bool = False,
                         entropy_grad: bool = False, return_hidden: bool = False):

@@ -2,7 +2,7 @@
 
     python lab.py                        # all nine experiments, 6 seeds per setting (25 min 46 s on 2 CPU cores)
     python lab.py group_norm tools       # some of them
-    python lab.py --quick                # all nine, 2 seeds and a few steps each: a smoke test (CI)
+    python lab.py --quick                # all nine, 2 seeds and a few steps each, into runs/lab-quick: a smoke test (CI)
     python lab.py --list                 # the experiments and the report each comes from
 
 Each experiment writes results/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures)
@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 import advantages
 import compare
+import config
 import grpo
 import monitor
 import plots
@@ -353,26 +355,30 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "batch_size": batch_s
 NEEDS = {"monitor": ["group_norm"]}          # experiments whose runs another one reads
 
 
-def summary_md(results: dict, quick: bool) -> str:
+def summary_md(results: dict) -> str:
     head = ("# What the reports claimed, and what the lab measured\n\n"
-            f"Written by `python lab.py{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}, "
-            f"{SEEDS if not quick else QUICK_SEEDS} seeds per setting"
-            f"{' (QUICK: a smoke test, not a result)' if quick else ''}. Each verdict is computed from the "
-            "numbers by the rule written next to its experiment in lab.py.\n")
+            "Written by `python lab.py`; each entry says when it was measured and with how many seeds "
+            "per setting. Each verdict is computed from the numbers by the rule written next to its "
+            "experiment in lab.py.\n")
     parts = [head]
     for name, r in results.items():
         fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
+        when = f"{r.get('date', '?')}, {r.get('seeds', '?')} seeds" + \
+            (", QUICK: a smoke test, not a result" if r.get("quick") else "")
         parts.append(f"## {name} (report {r['report']})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
-                     f"({r['seconds']:.0f} s){fig}\n")
+                     f"({when}; {r['seconds']:.0f} s){fig}\n")
     return "\n".join(parts)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config.OneLineParser(prog="lab.py", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", help="experiments to run (default: all)")
     p.add_argument("--quick", action="store_true", help="2 seeds and a few steps each: a smoke test")
-    p.add_argument("--out", type=Path, default=Path("results"), help="where results/NAME/ and SUMMARY.md go")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where NAME/, summary.json and SUMMARY.md go (default: results, or runs/lab-quick "
+                        "with --quick, so a smoke test never overwrites the results)")
     p.add_argument("--list", action="store_true")
     args = p.parse_args(argv)
     if args.list:
@@ -382,23 +388,32 @@ def main(argv=None):
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join(EXPERIMENTS)}")
+    out = args.out or Path("runs/lab-quick" if args.quick else "results")
+    if not config.writable(out):
+        p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     names = args.names or list(EXPERIMENTS)
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
-    lab = Lab(args.out, args.quick)
-    summary_file = args.out / "summary.json"
-    results = json.loads(summary_file.read_text()) if summary_file.exists() and args.names else {}
+    lab = Lab(out, args.quick)
+    summary_file = out / "summary.json"
+    # Entries of experiments not run now stay as they were: a partial (or interrupted) run
+    # updates only its own experiments.
+    results = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     t_all = time.time()
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)
-        results[name] = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0)
+        results[name] = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,
+                             date=time.strftime("%Y-%m-%d"), seeds=lab.seeds, quick=args.quick)
         print(f"{name}: {results[name]['verdict']} ({results[name]['seconds']:.0f} s)", flush=True)
-    results = {n: results[n] for n in EXPERIMENTS if n in results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary_file.write_text(json.dumps(results, indent=1))
-    (args.out / "SUMMARY.md").write_text(summary_md(results, args.quick))
-    print(f"wrote {args.out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
+        results = {n: results[n] for n in EXPERIMENTS if n in results}
+        summary_file.write_text(json.dumps(results, indent=1))       # after every experiment
+        (out / "SUMMARY.md").write_text(summary_md(results))
+    print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("lab.py: interrupted; the experiments that finished are in SUMMARY.md", file=sys.stderr)
+        sys.exit(130)

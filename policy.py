@@ -16,7 +16,9 @@ examples, its system prompt.
 """
 import hashlib
 import json
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -116,11 +118,22 @@ def tiny_policy(task, hidden: int, layers: int, sft_steps: int, sft_lr: float,
     size = f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters"
     log(f"warm-start ({size}): {sft_steps} supervised steps in {time.time() - t0:.1f}s, "
         f"loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else f"warm-start ({size}): 0 steps")
-    # Written to a temporary folder and renamed, so a crash never leaves half a cache entry.
-    tmp = path.with_name(path.name + ".tmp")
+    # Written to a temporary folder of this process's own and renamed, so a crash never
+    # leaves half a cache entry, and two runs warming up the same entry at once do not
+    # collide: the first rename wins, the other run drops its copy and loads the winner's.
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(path)
+    try:
+        tmp.rename(path)
+    except OSError:                              # "Directory not empty": another run won
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "config.json").exists():
+            raise
+        log(f"warm-start: another run cached the same warm start first; using {path}")
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tok
     return model, tok
 
 

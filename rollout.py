@@ -75,6 +75,11 @@ def plain_sampling(tok, temperature: float, max_new_tokens: int, **extra) -> Gen
                             pad_token_id=tok.pad_token_id, **extra)
 
 
+class NonFiniteLogits(RuntimeError):
+    """The policy's logits hold NaN/inf, so nothing can be sampled: train.py counts the step
+    as a non-finite one (skipped, and stopped by --max-skips), never a crash."""
+
+
 def generate(model, gen_config: GenerationConfig, **inputs) -> torch.Tensor:
     """model.generate under gen_config alone. generate fills every option left unset from the
     model's own saved generation_config (Qwen2.5-Instruct's repetition_penalty 1.05, another
@@ -83,6 +88,10 @@ def generate(model, gen_config: GenerationConfig, **inputs) -> torch.Tensor:
     model.generation_config = gen_config
     try:
         return model.generate(**inputs, generation_config=gen_config)
+    except RuntimeError as e:            # torch.multinomial on NaN/inf probabilities
+        if "probability tensor" in str(e):
+            raise NonFiniteLogits(f"non-finite logits while sampling ({str(e).splitlines()[0]})") from e
+        raise
     finally:
         model.generation_config = saved
 

@@ -34,6 +34,8 @@ SYSTEM_PROMPT = (
 MAX_POSITIONS = 256          # prompt + up to 3 turns and 2 tool responses
 HEADLINE = ("accuracy", "tool_success_rate")
 FORMAT_KEY = "wellformed_rate"
+RATES = ("accuracy", "answer_rate", "tool_calls", "tool_success_rate", "wellformed_rate", "turns",
+         *(f"failure/{kind}" for kind in FAILURES))                     # the keys of rates()
 ENDS_WITH_EOS = False        # an episode ends at </answer> (a stop string), not at EOS
 TRAIN_SEEDS, EVAL_SEEDS = range(512), range(1_000_000, 1_000_032)
 ALL_VALUES = sorted({v for _, values in KNOWLEDGE_BASE.values() for v in values}, key=int)

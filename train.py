@@ -74,6 +74,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
 import advantages
 import checkpoint
@@ -83,6 +84,7 @@ import monitor
 import plots
 import policy
 import ppo
+import rollout
 import schedules
 import tool_task
 import workflow_task
@@ -140,8 +142,7 @@ def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, promp
     with amp():
         batch, outcomes = task.sample(model, tok, prompts, c.k, c, ref_model, value_head,
                                       old_logp=not c.reuse_old_logp)               # rewards (N,)
-    stats = dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
-                 steps_taken=0, skipped_nonfinite=0, nonfinite=[])
+    stats = no_update()
     mask = batch.completion_mask
     has_ref = batch.ref_logp is not None
     finite = torch.isfinite(batch.rewards)                                             # (N,)
@@ -202,6 +203,12 @@ def rl_step(c: Config, task, model, value_head, tok, optimizer, ref_model, promp
     return batch, outcomes, row, stats
 
 
+def no_update(*nonfinite) -> dict:
+    """The update statistics of a step without an update (nonfinite: why it was skipped)."""
+    return dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
+                steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
+
+
 def rollout_advantages(batch):
     """(N,) one advantage per rollout: GRPO's A_i, or PPO's mean over the rollout's policy tokens."""
     adv = batch.advantages
@@ -259,10 +266,25 @@ def train(c: Config) -> dict:
     metrics = checkpoint.JsonlLog(out / "metrics.jsonl", append=bool(c.resume))
     samples = checkpoint.JsonlLog(out / "samples.jsonl", append=bool(c.resume))
 
+    seconds_before = state.get("seconds", 0.0)               # the run's time before a resume
+
     def save():
+        """A checkpoint now; None (said, counted in the summary) when it cannot be written:
+        a full disk ends that save, not the run."""
         state.update(monitor=watch.state_dict(), kl_control=kl_control.state_dict(),
-                     value_head=value_head.state_dict() if value_head is not None else None)
-        return checkpoint.save(out, state["step"], model, tok, optimizer, state, rng)
+                     value_head=value_head.state_dict() if value_head is not None else None,
+                     seconds=seconds_before + time.time() - t_start)
+        if not grpo.forward_is_finite(model):
+            # blown-up weights would become the newest checkpoint, the one --resume picks
+            say(f"step {state['step']}: checkpoint not written: these weights give non-finite logits "
+                f"(newest good checkpoint: {checkpoint.find(out) or 'none'})")
+            return None
+        try:
+            return checkpoint.save(out, state["step"], model, tok, optimizer, state, rng)
+        except (OSError, SafetensorError) as e:
+            state["failed_saves"] = state.get("failed_saves", 0) + 1
+            say(f"step {state['step']}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
+            return None
 
     if state["first_eval"] is None:
         with amp():
@@ -273,65 +295,99 @@ def train(c: Config) -> dict:
         say("step 0: held-out " + ", ".join(f"{key} {state['first_eval']['eval_' + key]:.2f}"
                                             for key in task.HEADLINE))
 
-    stopped = None
-    for step in range(state["step"] + 1, c.steps + 1):
-        t0 = time.time()
-        prompts = rng.sample(train_prompts, c.batch) if c.batch <= len(train_prompts) \
-            else rng.choices(train_prompts, k=c.batch)
-        lr = schedules.lr_at(step, c.steps, c.lr, c.lr_schedule, c.min_lr, c.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        entropy_coef = schedules.linear(step, c.steps, c.entropy_coef,
-                                        c.entropy_coef if c.entropy_coef_end < 0 else c.entropy_coef_end)
-        batch, outcomes, row, stats = rl_step(c, task, model, value_head, tok, optimizer, ref_model,
-                                              prompts, amp, step, kl_control.beta, entropy_coef)
-        row.update(lr=lr, entropy_coef=entropy_coef)
-        if row["kl"] is not None:
-            kl_control.update(row["kl"])                  # beta for the next step
-        updated = stats.get("steps_taken", 0) > 0        # at least one optimizer step applied
-        prev = state["prev"]
-        on_format = row[task.FORMAT_KEY]
-        collapsed = bool(prev and prev[0] and prev[1] > 0 and on_format <= prev[1] / 2)
-        # the null: how likely that flag was from sampling noise alone (monitor.py)
-        floor = monitor.false_collapse_given(prev[1], c.n) if prev and prev[0] else 0.0
-        state.update(step=step, updates=state["updates"] + updated, prev=(updated, on_format),
-                     collapses=state["collapses"] + collapsed,
-                     crash_floor=state.get("crash_floor", 0.0) + floor,
-                     skipped=state["skipped"] + stats["skipped_nonfinite"])
-        row.update(stats, updated=updated, collapsed_after_update=collapsed)
-        if stats["nonfinite"]:
-            say(f"step {step}: non-finite {' and '.join(stats['nonfinite'])}: optimizer step "
-                f"skipped, weights untouched ({state['skipped']} so far, --max-skips {c.max_skips})")
-        row["alerts"], started, messages = watch.update(row["reward_mean"], row["entropy"], row["kl"])
-        for name, message in zip(started, messages):
-            say(f"step {step}: monitor alert {name}: {message}")
+    stopped, interrupts = None, checkpoint.Interrupts(say)
+    try:
+        for step in range(state["step"] + 1, c.steps + 1):
+            t0 = time.time()
+            prompts = rng.sample(train_prompts, c.batch) if c.batch <= len(train_prompts) \
+                else rng.choices(train_prompts, k=c.batch)
+            lr = schedules.lr_at(step, c.steps, c.lr, c.lr_schedule, c.min_lr, c.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            entropy_coef = schedules.linear(step, c.steps, c.entropy_coef,
+                                            c.entropy_coef if c.entropy_coef_end < 0 else c.entropy_coef_end)
+            try:
+                batch, outcomes, row, stats = rl_step(c, task, model, value_head, tok, optimizer, ref_model,
+                                                      prompts, amp, step, kl_control.beta, entropy_coef)
+            except rollout.NonFiniteLogits:       # nothing could be sampled: a non-finite step
+                batch, stats = None, no_update("logits")
+                row = dict(step=step, reward_mean=None, kl=None)
+                row.update({key: None for key in (*task.HEADLINE, task.FORMAT_KEY)})
+            row.update(lr=lr, entropy_coef=entropy_coef)
+            if row["kl"] is not None:
+                kl_control.update(row["kl"])                  # beta for the next step
+            updated = stats["steps_taken"] > 0               # at least one optimizer step applied
+            prev_rate = state["prev"][1] if state["prev"] and state["prev"][0] else None
+            on_format = row[task.FORMAT_KEY]
+            collapsed = bool(prev_rate and on_format is not None and on_format <= prev_rate / 2)
+            # the null: how likely that flag was from sampling noise alone (monitor.py)
+            floor = monitor.false_collapse_given(prev_rate, c.n) if prev_rate is not None else 0.0
+            state.update(step=step, updates=state["updates"] + updated, prev=(updated, on_format),
+                         collapses=state["collapses"] + collapsed,
+                         crash_floor=state.get("crash_floor", 0.0) + floor,
+                         skipped=state["skipped"] + stats["skipped_nonfinite"])
+            row.update(stats, updated=updated, collapsed_after_update=collapsed)
+            if stats["nonfinite"] == ["logits"]:
+                say(f"step {step}: non-finite logits: nothing could be sampled, step skipped "
+                    f"({state['skipped']} so far, --max-skips {c.max_skips})")
+            elif stats["nonfinite"]:
+                say(f"step {step}: non-finite {' and '.join(stats['nonfinite'])}: optimizer step "
+                    f"skipped, weights untouched ({state['skipped']} so far, --max-skips {c.max_skips})")
+            row["alerts"], started, messages = watch.update(row["reward_mean"], row.get("entropy"), row["kl"])
+            for name, message in zip(started, messages):
+                say(f"step {step}: monitor alert {name}: {message}")
 
-        if step % c.eval_every == 0 or step == c.steps:
-            with amp():
-                state["last_eval"], eval_rows = evaluate(model, tok, task, eval_prompts, c, value_head)
-            row.update(state["last_eval"])
-            samples.write({"step": step, "split": "eval", "samples": eval_rows})
-        row["seconds"] = time.time() - t0
-        metrics.write(row)
-        adv = rollout_advantages(batch)                        # (N,)
-        samples.write({"step": step, "split": "train", "samples": [
-            dict(prompt=prompts[i // c.k]["text"], **task.describe(batch.texts[i], outcomes[i]),
-                 reward=batch.rewards[i].item(), advantage=adv[i].item())
-            for i in range(min(c.log_samples, c.n))]})
-        progress(c, task, row, state["last_eval"])
+            if state["skipped"] > c.max_skips:
+                stopped = f"{state['skipped']} non-finite steps, more than --max-skips {c.max_skips}"
+            elif c.stop_on_alert and started:
+                stopped = f"monitor alert {', '.join(started)} (--stop-on-alert)"
+            elif interrupts.signal:
+                stopped = f"interrupted by {interrupts.signal}"
+            # a stopped run is evaluated where it stops, so its eval_*_end are its own
+            if (step % c.eval_every == 0 or step == c.steps or stopped) and batch is not None:
+                try:
+                    with amp():
+                        state["last_eval"], eval_rows = evaluate(model, tok, task, eval_prompts, c, value_head)
+                    row.update(state["last_eval"])
+                    samples.write({"step": step, "split": "eval", "samples": eval_rows})
+                except rollout.NonFiniteLogits:
+                    say(f"step {step}: non-finite logits in the held-out evaluation; it is skipped")
+            row["seconds"] = time.time() - t0
+            metrics.write(row)
+            if batch is not None:
+                adv = rollout_advantages(batch)                    # (N,)
+                samples.write({"step": step, "split": "train", "samples": [
+                    dict(prompt=prompts[i // c.k]["text"], **task.describe(batch.texts[i], outcomes[i]),
+                         reward=batch.rewards[i].item(), advantage=adv[i].item())
+                    for i in range(min(c.log_samples, c.n))]})
+            progress(c, task, row, state["last_eval"])
 
-        if state["skipped"] > c.max_skips:
-            stopped = f"{state['skipped']} non-finite steps, more than --max-skips {c.max_skips}"
-        elif c.stop_on_alert and started:
-            stopped = f"monitor alert {', '.join(started)} (--stop-on-alert)"
-        if stopped or (c.save_every and step % c.save_every == 0):
-            path = save()
-        if stopped:
-            say(f"stopped at step {step}: {stopped}; last good weights saved in {path}")
-            break
+            if stopped or (c.save_every and step % c.save_every == 0):
+                path = save()
+                for old in checkpoint.prune(out, c.keep_checkpoints):
+                    say(f"removed checkpoint {old.name} (--keep-checkpoints {c.keep_checkpoints})")
+            if stopped:
+                saved = f"weights saved in {path} (resume with --resume {out})" if path else \
+                    "no checkpoint written"
+                say(f"stopped at step {step}: {stopped}; {saved}")
+                break
+    finally:
+        interrupts.restore()
     metrics.close()
     samples.close()
-    return finish(c, task, out, state, watch, stopped, time.time() - t_start, say)
+    return finish(c, task, out, state, watch, stopped, interrupts.signal,
+                  seconds_before + time.time() - t_start, say)
+
+
+SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
+                "alert_episodes", "stopped", "interrupted", "failed_saves", "ended_off_format", "frac_adv_negative_mean",
+                "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "out")
+
+
+def summary_keys(task) -> set:
+    """Every key summary.json can hold for a task (compare.py checks --columns against it)."""
+    return set(SUMMARY_KEYS) | {f"eval_{key}_end" for key in task.RATES} | \
+        {f"eval_{key}_start" for key in task.HEADLINE}
 
 
 def progress(c: Config, task, row: dict, last_eval: dict) -> None:
@@ -340,21 +396,22 @@ def progress(c: Config, task, row: dict, last_eval: dict) -> None:
         return
     end = "\n" if (row["step"] % c.eval_every == 0 or row["step"] == c.steps) else "\r"
     if end == "\n" or sys.stderr.isatty():
-        reward = f"{row['reward_mean']:.2f}" if row["reward_mean"] is not None else "nan"
+        f = lambda x: "nan" if x is None else f"{x:.2f}"
         key, second = task.HEADLINE
-        print(f"step {row['step']:4d}/{c.steps}  reward {reward}  {second} {row[second]:.2f}  "
-              f"{key} {row[key]:.2f}  held-out {key} {last_eval['eval_' + key]:.2f}",
-              end=end, file=sys.stderr)
+        print(f"step {row['step']:4d}/{c.steps}  reward {f(row['reward_mean'])}  {second} {f(row[second])}  "
+              f"{key} {f(row[key])}  held-out {key} {f(last_eval['eval_' + key])}", end=end, file=sys.stderr)
 
 
-def finish(c: Config, task, out: Path, state: dict, watch, stopped, seconds: float, say) -> dict:
-    """Write summary.json and curves.png; print the one-line summary."""
+def finish(c: Config, task, out: Path, state: dict, watch, stopped, interrupted, seconds: float,
+           say) -> dict:
+    """Write summary.json and curves.png; print the one-line summary. seconds: the run's
+    whole wall time, over every resume; interrupted: the signal that stopped it, or None."""
     first, last = state["first_eval"], state["last_eval"]
     summary = dict(steps=state["step"], updates=state["updates"], collapses=state["collapses"],
                    crash_rate=state["collapses"] / state["updates"] if state["updates"] else 0.0,
                    crash_floor=state.get("crash_floor", 0.0) / state["updates"] if state["updates"] else 0.0,
                    skipped_nonfinite=state["skipped"], alert_episodes=watch.episodes,
-                   stopped=stopped)
+                   stopped=stopped, interrupted=interrupted, failed_saves=state.get("failed_saves", 0))
     for key in task.HEADLINE:
         summary[f"eval_{key}_start"] = first[f"eval_{key}"]
     for key, v in last.items():                     # eval_<rate>_end for every held-out rate
@@ -364,7 +421,8 @@ def finish(c: Config, task, out: Path, state: dict, watch, stopped, seconds: flo
                    frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,
                    eval_value_rmse_end=last.get("eval_value_rmse"),
                    seconds=round(seconds, 1), out=str(out))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary, _ = checkpoint.finite_json(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     plots.plot_run(out)
     headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
                          for key in task.HEADLINE)
@@ -380,4 +438,6 @@ if __name__ == "__main__":
         summary = train(config)
     except (policy.ModelError, checkpoint.ResumeError) as e:   # found while loading, before training
         fail(str(e))
-    sys.exit(1 if summary["stopped"] else 0)
+    # 128 + the signal's number (130 Ctrl-C, 143 SIGTERM), as a shell reports a killed job
+    sys.exit(128 + checkpoint.SIGNALS[summary["interrupted"]] if summary["interrupted"]
+             else 1 if summary["stopped"] else 0)

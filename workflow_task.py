@@ -37,6 +37,7 @@ SYSTEM_PROMPT = ("Answer with a workflow in this DSL and nothing else. Operators
 MAX_POSITIONS = 128          # the tiny model's context: prompt + one completion
 HEADLINE = ("best_rate", "valid_rate")   # the rates the progress line and the summary show
 FORMAT_KEY = "valid_rate"                # on-format share: a collapse halves it
+RATES = ("best_rate", "valid_rate", "fallback_rate", "junk_rate")   # the keys of rates()
 ENDS_WITH_EOS = True                     # a completion ends with the EOS token
 
 BEST_WORKFLOW = {

@@ -1,0 +1,209 @@
+"""What a careless or unlucky user does, kept as tests: each input gets one line and exit 2
+before any work; each accident during a run is caught, counted, said, and survived."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import bench
+import checkpoint
+import compare
+import config
+import grpo
+import lab
+import policy
+import train
+import workflow_task
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def flags(tmp_path, name, *extra):
+    return ["--steps", "4", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
+            "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def exits_2(capsys, call, flag):
+    with pytest.raises(SystemExit) as e:
+        call()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+# ---- inputs: one line, exit 2, before any work ----
+
+def saved_model(folder: Path) -> Path:
+    from transformers import Qwen2ForCausalLM
+    tok = policy.build_tokenizer(workflow_task.vocabulary())
+    Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--clip-eps", "nan"], "--clip-eps"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm"),
+    (["--seed", str(2 ** 40)], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--sft-lr", "nan"], "--sft-lr"),
+    (["--sft-lr", "-5"], "--sft-lr"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints"),
+])
+def test_non_finite_and_out_of_range_numbers_are_refused(argv, flag, capsys, tmp_path):
+    exits_2(capsys, lambda: config.parse_config(argv + ["--out", str(tmp_path / "x")]), flag)
+
+
+def test_an_unwritable_cache_dir_is_refused_before_the_warm_up(capsys, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    exits_2(capsys, lambda: config.parse_config(["--cache-dir", str(tmp_path / "file" / "cache"),
+                                                 "--out", str(tmp_path / "x")]), "--cache-dir")
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda d: [p.unlink() for p in d.glob("tokenizer*")], "no tokenizer"),
+    (lambda d: (d / "model.safetensors").unlink(), "no weights"),
+    (lambda d: (d / "config.json").write_text("{broken"), "not valid JSON"),
+    (lambda d: (d / "config.json").write_text("{}"), "no model_type"),
+])
+def test_a_model_folder_missing_a_part_is_refused(damage, says, capsys, tmp_path):
+    folder = saved_model(tmp_path / "model")
+    config.parse_config(["--model", str(folder), "--out", str(tmp_path / "ok")])          # whole: accepted
+    damage(folder)
+    capsys.readouterr()                                  # the save's progress bars
+    exits_2(capsys, lambda: config.parse_config(["--model", str(folder), "--out", str(tmp_path / "x")]),
+            says)
+
+
+def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    exits_2(capsys, lambda: bench.main(["--json", str(tmp_path / "file" / "b.json")]), "--json")
+    exits_2(capsys, lambda: bench.main(["--threads", "-5"]), "--threads")
+    exits_2(capsys, lambda: lab.main(["--quick", "--out", str(tmp_path / "file" / "lab")]), "--out")
+
+
+def test_compare_checks_columns_before_any_run_and_tables_what_is_there(capsys, tmp_path):
+    exits_2(capsys, lambda: compare.main(["--k 8", "--columns", "eval_bogus_end", "--out", str(tmp_path)]),
+            "--columns")
+    assert not (tmp_path / "runs").exists()
+    runs = {"a": [dict(eval_best_rate_end=0.5, eval_valid_rate_end=1.0, ended_off_format=False, crash_rate=0.0,
+                       crash_floor=0.0, eval_fallback_rate_end=0.0, eval_junk_rate_end=0.0, seconds=1.0,
+                       eval_value_rmse_end=v) for v in (None, 0.2, 0.4)]}
+    table = compare.table(runs, ["eval_value_rmse_end"])
+    assert "0.30 ± 0.10 [0.20–0.40] (2 of 3 runs)" in table
+
+
+def test_lab_writes_each_experiment_s_entry_as_it_ends(tmp_path, monkeypatch):
+    entry = dict(report="x", claim="c", measured="m", verdict="v", figure=None)
+
+    def second(_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry), "second": second})
+    with pytest.raises(KeyboardInterrupt):
+        lab.main(["--out", str(tmp_path)])
+    assert "## first" in (tmp_path / "SUMMARY.md").read_text()
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry, verdict="w"),
+                                             "second": lambda _: dict(entry)})
+    lab.main(["second", "--quick", "--out", str(tmp_path)])                  # a partial run
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["first"]["verdict"] == "v" and not summary["first"]["quick"]   # untouched
+    assert summary["second"]["quick"] and "QUICK" in (tmp_path / "SUMMARY.md").read_text()
+
+
+# ---- accidents during a run: caught, counted, said, survived ----
+
+def test_a_blown_up_policy_is_a_non_finite_step_not_a_crash_and_is_not_saved(tmp_path):
+    # lr 1e30: finite weights of 1e30 after one update, whose attention then overflows
+    argv = flags(tmp_path, "run", "--lr", "1e30", "--beta", "0.1", "--max-skips", "1", "--steps", "10",
+                 "--save-every", "1", "--hidden", "64", "--layers", "2")
+    summary = train.train(config.parse_config(argv))
+    rows = read(tmp_path / "run" / "metrics.jsonl")[1:]
+    skipped = [r for r in rows if r["nonfinite"] == ["logits"]]
+    assert len(skipped) == 2 and not skipped[0]["updated"] and summary["skipped_nonfinite"] == 2
+    assert summary["stopped"] and "non-finite" in summary["stopped"] and summary["steps"] < 10
+    for ckpt in checkpoint.candidates(tmp_path / "run"):      # no checkpoint of blown-up weights
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+        assert grpo.forward_is_finite(model)
+
+
+def test_a_full_disk_at_a_checkpoint_is_said_and_survived(tmp_path, monkeypatch, capsys):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    argv = [a for a in flags(tmp_path, "run", "--save-every", "2") if a != "--quiet"]
+    summary = train.train(config.parse_config(argv))
+    assert summary["steps"] == 4 and summary["failed_saves"] == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert not list((tmp_path / "run" / "checkpoints").glob("*"))          # no half checkpoint left
+
+
+def test_two_runs_warming_up_one_cache_entry_at_once_share_the_winner_s(tmp_path, monkeypatch):
+    args = (workflow_task, 16, 1, 5, 3e-3, 8, 0)
+    first, _ = policy.tiny_policy(*args, tmp_path / "cache", log=lambda s: None)
+    entry = next(p for p in (tmp_path / "cache").iterdir())
+    shutil.copytree(entry, tmp_path / "winner")
+    shutil.rmtree(entry)
+    real = policy.warm_start
+
+    def racing(*a, **kw):                                   # the other run finishes first
+        losses = real(*a, **kw)
+        shutil.copytree(tmp_path / "winner", entry)
+        return losses
+    monkeypatch.setattr(policy, "warm_start", racing)
+    said = []
+    model, _ = policy.tiny_policy(*args, tmp_path / "cache", log=said.append)
+    assert any("another run cached" in s for s in said)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [entry.name]   # no .tmp left
+    for a, b in zip(first.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_save_a_checkpoint_and_a_summary_then_resume(tmp_path, sig, code):
+    argv = flags(tmp_path, "run", "--steps", "400", "--eval-every", "1000")   # --save-every 0
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["interrupted"] == signal.Signals(sig).name and summary["steps"] < 400
+    assert checkpoint.find(tmp_path / "run").name == f"step-{summary['steps']:06d}"
+    c = config.parse_config(["--resume", str(tmp_path / "run"), "--steps", str(summary["steps"] + 2)])
+    resumed = train.train(c)
+    assert resumed["steps"] == summary["steps"] + 2 and resumed["seconds"] >= summary["seconds"]
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "6", "--save-every", "1",
+                                          "--keep-checkpoints", "2")))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == \
+        ["step-000005", "step-000006"]
+
+
+def test_a_run_stopped_by_an_alert_is_evaluated_where_it_stops(tmp_path):
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "9", "--eval-every", "100",
+                                                    "--beta", "0.01", "--stop-on-alert", "--alert-entropy", "100")))
+    rows = read(tmp_path / "run" / "metrics.jsonl")
+    assert summary["stopped"] and summary["steps"] == 1
+    assert "eval_best_rate" in rows[-1] and rows[-1]["step"] == 1
+    assert summary["eval_best_rate_end"] == rows[-1]["eval_best_rate"]
