@@ -17,6 +17,7 @@ mid-write never leaves half a checkpoint under the final name.
 Resume. `python train.py --resume RUN` loads the newest checkpoint, cuts the logs back to the
 steps it covers, and goes on; on the CPU the metrics equal those of an uninterrupted run.
 """
+import fcntl
 import json
 import math
 import os
@@ -92,6 +93,42 @@ def truncate_log(path: Path, last_step: int) -> int:
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
     return torn
+
+
+# ---- one run per folder ----
+
+class RunBusy(ValueError):
+    """Another process is running in this run folder; train.py says so in one line, exit 2."""
+
+
+class RunLock:
+    """An exclusive lock on RUN/.lock for as long as a run writes there: a second run into the
+    same folder is refused instead of interleaving its lines with the first's. The lock is
+    the kernel's (flock), so a killed run never leaves a stale one."""
+
+    def __init__(self, run_dir: Path):
+        self.fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise RunBusy(f"--out: another run is writing in {str(run_dir)!r} now; wait for it, "
+                          f"or choose another --out") from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)                # closing the file releases the lock
+            self.fd = None
+
+
+def clear_run(run_dir: Path, names) -> None:
+    """--overwrite: delete the earlier run's files (and nothing else) from run_dir."""
+    for name in names:
+        path = Path(run_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 # ---- signals ----

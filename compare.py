@@ -29,14 +29,20 @@ import plots
 import train
 
 
-def run_setting(argv: list, seeds: int, out: Path) -> list[dict]:
+def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False) -> list[dict]:
     summaries = []
     for seed in range(seeds):
-        c = config.parse_config(argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"])
+        c = config.parse_config(argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"]
+                                + ["--overwrite"] * overwrite)
         summaries.append(train.train(c))
         if summaries[-1]["interrupted"]:          # Ctrl-C stopped that run cleanly: stop here too
             raise KeyboardInterrupt(summaries[-1]["interrupted"])
     return summaries
+
+
+def slug(setting: str) -> str:
+    """The folder name of a setting's runs: '--k 8 --norm global' -> 'k_8_norm_global'."""
+    return " ".join(shlex.split(setting)).replace("--", "").replace(" ", "_")
 
 
 def spread(xs: list) -> str:
@@ -131,31 +137,39 @@ def main(argv=None):
                    help="comma-separated metrics.jsonl keys to draw, a row each")
     p.add_argument("--columns", default="",
                    help="comma-separated extra summary.json keys for the table, e.g. eval_value_rmse_end")
+    p.add_argument("--overwrite", action="store_true", help="replace the runs already under --out")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     common = shlex.split(args.common)
     columns = [x for x in args.columns.split(",") if x]
     for s in args.settings:                       # fail on a bad setting or column before any run
-        c = config.parse_config(common + shlex.split(s) + ["--out", str(args.out)])
+        held = [run for run in (args.out / "runs" / slug(s)).glob("s*") if config.holds_run(run)]
+        if held and not args.overwrite:
+            p.error(f"--out: {str(held[0])!r} holds a run already; --overwrite replaces the runs "
+                    f"under {str(args.out)!r}, another --out keeps them")
+        c = config.parse_config(common + shlex.split(s) + ["--overwrite"] * args.overwrite +
+                                ["--out", str(args.out / "runs" / slug(s) / "s0")])
         unknown = [col for col in columns if col not in train.summary_keys(train.TASKS[c.task])]
         if unknown:
             p.error(f"--columns: {unknown[0]!r} is not a summary.json key of --task {c.task}; one of: "
                     f"{', '.join(sorted(train.summary_keys(train.TASKS[c.task])))}")
-    results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","), columns)
+    results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","),
+                           columns, overwrite=args.overwrite)
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 
 def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("eval_best_rate",),
-                 columns=(), title: str = "", log=print) -> dict:
-    """Run every setting over seeds into out/runs/<setting>/s<seed>/; write out/table.md,
-    out/summaries.json and out/compare.png; return {setting: [summary per seed]}."""
+                 columns=(), title: str = "", log=print, overwrite: bool = False) -> dict:
+    """Run every setting over seeds into out/runs/<setting>/s<seed>/ (overwrite: replacing the
+    runs there); write out/table.md, out/summaries.json and out/compare.png; return
+    {setting: [summary per seed]}."""
     results = {}
     for s in settings:
         name = " ".join(shlex.split(s))
-        slug = name.replace("--", "").replace(" ", "_")
-        results[name] = run_setting(shlex.split(common) + shlex.split(s), seeds, out / "runs" / slug)
+        results[name] = run_setting(shlex.split(common) + shlex.split(s), seeds, out / "runs" / slug(s),
+                                    overwrite)
         log(f"finished {name}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results, columns) + "\n")

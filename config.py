@@ -90,7 +90,9 @@ class Config:
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps")
     eval_samples: int = opt(4, "samples per held-out prompt at each evaluation")
     seed: int = opt(0, "seed of the RL phase (prompts and sampling)")
-    out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}")
+    out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}, with a "
+                       "-2, -3 ... suffix when that one holds a run already")
+    overwrite: bool = opt(False, "replace the run already in --out (its logs, summary, curves and checkpoints)")
     log_samples: int = opt(4, "completions per step written to samples.jsonl")
     quiet: bool = opt(False, "no progress line")
     # surviving failures (checkpoint.py, monitor.py)
@@ -206,10 +208,27 @@ def validate(c: Config) -> Config:
              f"{c.model!r}: {model_folder_problem(Path(c.model))}")
     else:
         need(writable(Path(c.cache_dir)), "cache-dir", f"cannot create or write to the folder {c.cache_dir!r}")
-    out = Path(c.out or default_out(c))
+    need(not (c.overwrite and c.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
+    if not c.out:                      # the default name, with a fresh suffix if it holds a run
+        base = default_out(c)
+        c.out = next(f"{base}-{i}" if i > 1 else base for i in range(1, 10 ** 6)
+                     if not holds_run(Path(f"{base}-{i}" if i > 1 else base)))
+    out = Path(c.out)
+    need(c.resume or c.overwrite or not holds_run(out), "out",
+         f"{c.out!r} holds a run already ({holds_run(out)}); --resume {c.out} continues it, "
+         f"--overwrite replaces it, another --out keeps it")
     # the one side effect of validation: the run's folder
     need(writable(out), "out", f"cannot create or write to the folder {str(out)!r}")
     return c
+
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints")
+
+
+def holds_run(folder: Path) -> str | None:
+    """The files of a run in folder ('metrics.jsonl, checkpoints'), or None when it holds none."""
+    found = [name for name in RUN_FILES if (Path(folder) / name).exists()]
+    return ", ".join(found) or None
 
 
 MAX_SEED = 2 ** 32 - 1          # seed * 100003 + step must stay inside a torch.Generator's 64 bits
@@ -303,7 +322,7 @@ def parse_config(argv=None) -> Config:
         fail(str(e))
 
 
-RESUME_MAY_CHANGE = ("steps", "quiet", "resume")
+RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite")
 
 
 def resumed_config(c: Config, given: dict) -> Config:

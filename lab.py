@@ -56,9 +56,10 @@ class Lab:
     def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=()):
         common = self.shrink(common) + (" --eval-every 2 --eval-samples 1" if self.quick else "")
         settings = [self.shrink(s) for s in settings]
+        # an experiment's rerun replaces its own runs: lab.py owns its --out folder
         results = compare.run_settings(settings, common, self.seeds, self.dir(name), metrics, columns,
                                        title=f"{name}: {self.seeds} seeds; common: {common}",
-                                       log=lambda s: print(f"  {name}: {s}", flush=True))
+                                       log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True)
         return {key: runs for key, runs in zip(settings, results.values())}
 
 

@@ -88,6 +88,7 @@ import rollout
 import schedules
 import tool_task
 import workflow_task
+import config
 from config import Config, default_out, fail, parse_config
 
 TASKS = {"dsl": workflow_task, "tools": tool_task}
@@ -224,11 +225,23 @@ def train(c: Config) -> dict:
     """Run GRPO as configured (or resume it); write the run's files; return its summary."""
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    device = "cuda" if c.device == "cuda" or (c.device == "auto" and torch.cuda.is_available()) else "cpu"
     out = Path(c.out or default_out(c))
     out.mkdir(parents=True, exist_ok=True)
+    lock = checkpoint.RunLock(out)           # one run per folder, for as long as this one runs
+    try:
+        return run(c, out)
+    finally:
+        lock.release()
+
+
+def run(c: Config, out: Path) -> dict:
+    """The run itself, in its locked folder."""
+    device = "cuda" if c.device == "cuda" or (c.device == "auto" and torch.cuda.is_available()) else "cpu"
     say = (lambda *a: None) if c.quiet else (lambda s: print(s, file=sys.stderr))
     t_start = time.time()
+    if c.overwrite and not c.resume:
+        checkpoint.clear_run(out, config.RUN_FILES)
+        say(f"--overwrite: removed the earlier run's files from {out}")
 
     task = TASKS[c.task]
     model, tok = load(c, task, device, say)
@@ -436,7 +449,7 @@ if __name__ == "__main__":
     config = parse_config()
     try:
         summary = train(config)
-    except (policy.ModelError, checkpoint.ResumeError) as e:   # found while loading, before training
+    except (policy.ModelError, checkpoint.ResumeError, checkpoint.RunBusy) as e:  # before training
         fail(str(e))
     # 128 + the signal's number (130 Ctrl-C, 143 SIGTERM), as a shell reports a killed job
     sys.exit(128 + checkpoint.SIGNALS[summary["interrupted"]] if summary["interrupted"]

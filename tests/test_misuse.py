@@ -207,3 +207,46 @@ def test_a_run_stopped_by_an_alert_is_evaluated_where_it_stops(tmp_path):
     assert summary["stopped"] and summary["steps"] == 1
     assert "eval_best_rate" in rows[-1] and rows[-1]["step"] == 1
     assert summary["eval_best_rate_end"] == rows[-1]["eval_best_rate"]
+
+
+# ---- nothing a user made is destroyed unasked ----
+
+def test_an_out_folder_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsys):
+    argv = flags(tmp_path, "run", "--steps", "2", "--save-every", "2")
+    train.train(config.parse_config(argv))
+    exits_2(capsys, lambda: config.parse_config(argv), "--overwrite")
+    train.train(config.parse_config(argv + ["--steps", "3", "--overwrite"]))          # asked: replaced
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002"]
+    exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--overwrite"]),
+            "--overwrite")
+
+
+def test_the_default_folder_gets_a_fresh_suffix_so_a_command_can_run_twice(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in flags(tmp_path, "x", "--steps", "1") if a not in ("--out", str(tmp_path / "x"))]
+    first = config.parse_config(argv)
+    train.train(first)
+    second = config.parse_config(argv)
+    assert second.out == first.out + "-2" and Path(first.out).name == "k4_b2_global_lr0.001_s0"
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    lock = checkpoint.RunLock(tmp_path / "run")                       # a run in progress there
+    with pytest.raises(checkpoint.RunBusy, match="another run is writing"):
+        train.train(config.parse_config(flags(tmp_path, "run")))
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags(tmp_path, "run")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "another run" in proc.stderr
+    lock.release()
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "1")))   # free again
+
+
+def test_compare_refuses_to_rerun_over_its_runs_unless_told(tmp_path, capsys):
+    common = "--steps 1 --batch 2 --k 4 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1 " \
+             f"--cache-dir {tmp_path / 'cache'}"
+    compare.main(["--k 4", "--seeds", "1", "--common", common, "--out", str(tmp_path / "cmp")])
+    exits_2(capsys, lambda: compare.main(["--k 4", "--seeds", "1", "--common", common,
+                                          "--out", str(tmp_path / "cmp")]), "--overwrite")
+    compare.main(["--k 4", "--seeds", "1", "--common", common, "--out", str(tmp_path / "cmp"), "--overwrite"])
