@@ -100,7 +100,7 @@ def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
 def test_compare_checks_columns_before_any_run_and_tables_what_is_there(capsys, tmp_path):
     exits_2(capsys, lambda: compare.main(["--k 8", "--columns", "eval_bogus_end", "--out", str(tmp_path)]),
             "--columns")
-    assert not (tmp_path / "runs").exists()
+    assert not list(tmp_path.rglob("metrics.jsonl"))                      # no run started
     runs = {"a": [dict(eval_best_rate_end=0.5, eval_valid_rate_end=1.0, ended_off_format=False, crash_rate=0.0,
                        crash_floor=0.0, eval_fallback_rate_end=0.0, eval_junk_rate_end=0.0, seconds=1.0,
                        eval_value_rmse_end=v) for v in (None, 0.2, 0.4)]}
