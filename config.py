@@ -329,6 +329,8 @@ def resumed_config(c: Config, given: dict) -> Config:
     """The saved configuration of the run being resumed. A flag given on the command line must
     equal the saved value (re-running the original command with --resume added works);
     --steps may extend the run, --quiet may change."""
+    if given.get("overwrite"):
+        raise ConfigError("--overwrite: replaces a run, --resume continues it: not both")
     ckpt = checkpoint.find(Path(c.resume))
     if ckpt is None:
         raise ConfigError(f"--resume: no checkpoint in {c.resume!r} (expected a run folder "
@@ -350,7 +352,8 @@ def resumed_config(c: Config, given: dict) -> Config:
                               f"run and is {value!r} now; a resumed run keeps its configuration "
                               f"(only --steps and --quiet can change)")
     merged = {**saved, "resume": str(run_dir if (Path(c.resume) / "checkpoints").is_dir() else ckpt),
-              "quiet": c.quiet, "steps": c.steps if "steps" in given else saved.get("steps", c.steps)}
+              "quiet": c.quiet, "steps": c.steps if "steps" in given else saved.get("steps", c.steps),
+              "overwrite": False}                 # the run was made with it, perhaps; it goes on now
     at = int(ckpt.name.split("-")[-1]) if ckpt.name.startswith("step-") else 0
     if merged["steps"] <= at:
         raise ConfigError(f"--steps: the run's newest checkpoint is at step {at}; give --steps above "

@@ -220,6 +220,8 @@ def test_an_out_folder_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_p
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-000002"]
     exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--overwrite"]),
             "--overwrite")
+    resumed = config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "5"])   # made with it
+    assert resumed.steps == 5 and not resumed.overwrite
 
 
 def test_the_default_folder_gets_a_fresh_suffix_so_a_command_can_run_twice(tmp_path, monkeypatch):
