@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -58,15 +59,23 @@ class JsonlLog:
 
     def __init__(self, path: Path, append: bool):
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        self.path, self.lost = Path(path), 0
         self.fd = os.open(path, flags, 0o644)
 
     def write(self, row: dict) -> None:
+        """Append one line. A write the disk refuses (full) loses that line, is said and
+        counted (self.lost), and the run goes on; a line cut short there is dropped on resume."""
         row, bad = finite_json(row)
         if bad:
             row["nonfinite_logged"] = bad
         data = (json.dumps(row, allow_nan=False) + "\n").encode()
-        while data:                       # os.write may write less than asked; finish the line
-            data = data[os.write(self.fd, data):]
+        try:
+            while data:                   # os.write may write less than asked; finish the line
+                data = data[os.write(self.fd, data):]
+        except OSError as e:
+            self.lost += 1
+            print(f"{self.path.name}: a line was not written ({e}); {self.lost} lost so far",
+                  file=sys.stderr)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -46,7 +46,9 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               weights), when --skip-all-fallback fires, or when the step was
                               non-finite
     skipped_nonfinite, nonfinite   optimizer steps not taken because a quantity was NaN/inf,
-                              and which ("loss", "grad_norm", or "reward")
+                              and which ("loss", "grad_norm", "reward", or "logits": nothing
+                              could be sampled)
+    nonfinite_logged          the keys of this line whose NaN/inf value was written as null
     nonfinite_rewards         rewards that were NaN/inf (left out of reward_mean/std)
     alerts                    the stability monitor's active alerts (monitor.py)
     collapsed_after_update    the previous step updated, its on-format rate (valid_rate;
@@ -388,12 +390,14 @@ def run(c: Config, out: Path) -> dict:
         interrupts.restore()
     metrics.close()
     samples.close()
+    state["lost_log_lines"] = metrics.lost + samples.lost      # lines a full disk refused
     return finish(c, task, out, state, watch, stopped, interrupts.signal,
                   seconds_before + time.time() - t_start, say)
 
 
 SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
-                "alert_episodes", "stopped", "interrupted", "failed_saves", "ended_off_format", "frac_adv_negative_mean",
+                "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
+                "ended_off_format", "frac_adv_negative_mean",
                 "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "out")
 
 
@@ -424,7 +428,8 @@ def finish(c: Config, task, out: Path, state: dict, watch, stopped, interrupted,
                    crash_rate=state["collapses"] / state["updates"] if state["updates"] else 0.0,
                    crash_floor=state.get("crash_floor", 0.0) / state["updates"] if state["updates"] else 0.0,
                    skipped_nonfinite=state["skipped"], alert_episodes=watch.episodes,
-                   stopped=stopped, interrupted=interrupted, failed_saves=state.get("failed_saves", 0))
+                   stopped=stopped, interrupted=interrupted, failed_saves=state.get("failed_saves", 0),
+                   lost_log_lines=state.get("lost_log_lines", 0))
     for key in task.HEADLINE:
         summary[f"eval_{key}_start"] = first[f"eval_{key}"]
     for key, v in last.items():                     # eval_<rate>_end for every held-out rate

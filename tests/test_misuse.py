@@ -252,3 +252,21 @@ def test_compare_refuses_to_rerun_over_its_runs_unless_told(tmp_path, capsys):
     exits_2(capsys, lambda: compare.main(["--k 4", "--seeds", "1", "--common", common,
                                           "--out", str(tmp_path / "cmp")]), "--overwrite")
     compare.main(["--k 4", "--seeds", "1", "--common", common, "--out", str(tmp_path / "cmp"), "--overwrite"])
+
+
+def test_a_log_line_the_full_disk_refuses_is_said_counted_and_the_log_goes_on(tmp_path, monkeypatch, capsys):
+    log = checkpoint.JsonlLog(tmp_path / "m.jsonl", append=False)
+    log.write({"step": 0})
+    real, calls = os.write, {"n": 0}
+
+    def full_once(fd, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(fd, data)
+    monkeypatch.setattr(checkpoint.os, "write", full_once)
+    log.write({"step": 1})
+    log.write({"step": 2})
+    log.close()
+    assert log.lost == 1 and "No space left" in capsys.readouterr().err
+    assert [r["step"] for r in read(tmp_path / "m.jsonl")] == [0, 2]
