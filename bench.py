@@ -247,15 +247,6 @@ def summarise(run: dict, warmup: int) -> dict:
     return s
 
 
-def writable_file(path: Path) -> bool:
-    """Whether path can be created or overwritten (its folder is created if need be)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(path, os.W_OK) if path.exists() else os.access(path.parent, os.W_OK)
-
-
 def main(argv=None):
     p = config.OneLineParser(prog="bench.py", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,7 +274,8 @@ def main(argv=None):
         p.error(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
     if args.pairs < 1:
         p.error(f"--pairs must be >= 1, got {args.pairs}")
-    if args.json and not writable_file(Path(args.json)):
+    if args.json and not (config.writable(Path(args.json).parent) and
+                          (not Path(args.json).exists() or os.access(args.json, os.W_OK))):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
     if args.what == "logprobs":
         return logprobs_report(args)

@@ -252,7 +252,7 @@ class ResumeError(ValueError):
 def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) -> tuple[dict, Path]:
     """Restore from the newest checkpoint under path that loads whole (or path itself); a
     damaged one (a truncated weights file, an unreadable state) is skipped, saying which and
-    why. Returns (loop state, the checkpoint used); raises ValueError when none loads."""
+    why. Returns (loop state, the checkpoint used); raises ResumeError when none loads."""
     reasons = []
     for ckpt in candidates(path):
         try:

@@ -10,6 +10,7 @@ only --steps (to extend the run) and --quiet may be given with it.
 """
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -204,15 +205,15 @@ def validate(c: Config) -> Config:
     need(not c.compile or (c.device != "cpu" and torch.cuda.is_available()), "compile",
          "needs a GPU (--device auto or cuda, with CUDA visible)")
     if c.model:
-        need(not model_folder_problem(Path(c.model)), "model",
-             f"{c.model!r}: {model_folder_problem(Path(c.model))}")
+        problem = model_folder_problem(Path(c.model))
+        need(not problem, "model", f"{c.model!r}: {problem}")
     else:
         need(writable(Path(c.cache_dir)), "cache-dir", f"cannot create or write to the folder {c.cache_dir!r}")
     need(not (c.overwrite and c.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
     if not c.out:                      # the default name, with a fresh suffix if it holds a run
         base = default_out(c)
-        c.out = next(f"{base}-{i}" if i > 1 else base for i in range(1, 10 ** 6)
-                     if not holds_run(Path(f"{base}-{i}" if i > 1 else base)))
+        names = (base if i == 1 else f"{base}-{i}" for i in itertools.count(1))
+        c.out = next(name for name in names if not holds_run(Path(name)))
     out = Path(c.out)
     need(c.resume or c.overwrite or not holds_run(out), "out",
          f"{c.out!r} holds a run already ({holds_run(out)}); --resume {c.out} continues it, "

@@ -64,9 +64,9 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def head_logits(model, h: torch.Tensor) -> torch.Tensor:
     """The model's logits from last hidden states h (rows, C, H), in float32: the LM head with
-    autocast switched off (a bf16 head costs log-probs ~0.01 at a 100-word vocabulary, more
-    at a real one; the weights are float32, train.load's choice), then what the model's own
-    forward does to its logits after the head:
+    autocast switched off (a bf16 head rounds every logit, and the log-probs with them; the
+    weights are float32, train.load's choice), then what the model's own forward does to its
+    logits after the head:
 
         Gemma 2/3   final_logit_softcapping c:  logits = c * tanh(logits / c)
         Cohere      logit_scale s:              logits = s * logits
@@ -86,35 +86,33 @@ def head_logits(model, h: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-@torch.no_grad()
-def check_logprobs(model, tokens: int = 12, seed: int = 0) -> float:
-    """Largest |difference| between completion_logprobs and log-softmax of the model's own
-    forward logits, on random tokens: ~1e-6 when head_logits reproduces the model."""
-    gen = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
+def probe_ids(model, rows: int, tokens: int) -> torch.Tensor:
+    """(rows, tokens) random token ids, the same every call, on the model's device."""
     vocab = model.get_output_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (2, tokens), generator=gen).to(device)           # (2, T)
-    attn = torch.ones_like(ids)
-    half = tokens // 2
-    was_training = model.training
-    model.eval()
+    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    return ids.to(next(model.parameters()).device)
+
+
+@torch.no_grad()
+def check_logprobs(model, tokens: int = 12) -> float:
+    """Largest |difference| between completion_logprobs and log-softmax of the model's own
+    forward logits, on random tokens: ~1e-6 when head_logits reproduces the model. (Both
+    forwards see the same mode; from_pretrained hands back a model in eval mode.)"""
+    ids = probe_ids(model, 2, tokens)                                               # (2, T)
+    attn, half = torch.ones_like(ids), tokens // 2
     ours, _ = completion_logprobs(model, ids[:, :half], attn[:, :half], ids[:, half:], attn[:, half:])
     logits = model(input_ids=ids, attention_mask=attn).logits[:, half - 1:-1].float()  # (2, T-half, V)
     ref = torch.log_softmax(logits, -1).gather(-1, ids[:, half:, None]).squeeze(-1)
-    model.train(was_training)
     return (ours - ref).abs().max().item()
 
 
 @torch.no_grad()
 def forward_is_finite(model, tokens: int = 8) -> bool:
-    """Whether the model's logits are finite on a few random tokens (train.py checks this
-    before it writes a checkpoint)."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(next(model.parameters()).device)
+    """Whether the model's logits are finite on a few random tokens, in eval mode as sampling
+    runs (train.py checks this before it writes a checkpoint)."""
     was_training = model.training
     model.eval()
-    finite = bool(torch.isfinite(model(input_ids=ids).logits).all())
+    finite = bool(torch.isfinite(model(input_ids=probe_ids(model, 1, tokens)).logits).all())
     model.train(was_training)
     return finite
 

@@ -2,7 +2,7 @@
 
     python lab.py                        # all nine experiments, 6 seeds per setting (25 min 46 s on 2 CPU cores)
     python lab.py group_norm tools       # some of them
-    python lab.py --quick                # all nine, 2 seeds and a few steps each, into runs/lab-quick: a smoke test (CI)
+    python lab.py --quick                # all nine, 2 seeds, a few steps, into runs/lab-quick (CI)
     python lab.py --list                 # the experiments and the report each comes from
 
 Each experiment writes results/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures)

@@ -177,9 +177,9 @@ def sample_episodes(model, tok, prompt_texts: list, envs: list, k: int, max_new_
     ids, policy_mask = [[] for _ in range(n)], [[] for _ in range(n)]    # the completion so far
     infos, turns = [[] for _ in range(n)], [[] for _ in range(n)]
     stops = stop_ids(tok, stop_strings)
-    gen = plain_sampling(tok, temperature, max_new_tokens, eos_token_id=[tok.eos_token_id, *stops]) \
-        if stops else plain_sampling(tok, temperature, max_new_tokens, eos_token_id=tok.eos_token_id,
-                                     stop_strings=list(stop_strings))
+    ends = dict(eos_token_id=[tok.eos_token_id, *stops]) if stops else \
+        dict(eos_token_id=tok.eos_token_id, stop_strings=list(stop_strings))
+    gen = plain_sampling(tok, temperature, max_new_tokens, **ends)
     active = list(range(n))
     model.eval()
     while active:

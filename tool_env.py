@@ -51,7 +51,6 @@ MAX_TURN_CHARS = 2000          # a longer turn is "too_long"
 MAX_JSON_CHARS = 1000
 
 
-
 def tag_body(text: str, name: str) -> str | None:
     """The text between the first <name> and the first </name> after it, or None. Two
     str.find calls: linear in len(text) whatever the text (a regex `<name>(.*?)</name>`
@@ -62,6 +61,7 @@ def tag_body(text: str, name: str) -> str | None:
     start += len(name) + 2
     end = text.find(f"</{name}>", start)
     return None if end < 0 else text[start:end]
+
 
 # The same character 8+ times ("!!!!!!!!") or the same word 6+ times in a row.
 _DEGENERATE = re.compile(r"(\S)\1{7,}|\b(\w+)(?:\s+\2\b){5,}")

@@ -336,7 +336,8 @@ def run(c: Config, out: Path) -> dict:
             on_format = row[task.FORMAT_KEY]
             collapsed = bool(prev_rate and on_format is not None and on_format <= prev_rate / 2)
             # the null: how likely that flag was from sampling noise alone (monitor.py)
-            floor = monitor.false_collapse_given(prev_rate, c.n) if prev_rate is not None else 0.0
+            floor = monitor.false_collapse_given(prev_rate, c.n) \
+                if prev_rate is not None and on_format is not None else 0.0
             state.update(step=step, updates=state["updates"] + updated, prev=(updated, on_format),
                          collapses=state["collapses"] + collapsed,
                          crash_floor=state.get("crash_floor", 0.0) + floor,

@@ -22,14 +22,13 @@ import lab
 import policy
 import train
 import workflow_task
+from test_train import quick
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def flags(tmp_path, name, *extra):
-    return ["--steps", "4", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
-            "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+    return quick(tmp_path, name, "--steps", "4", *extra)
 
 
 def read(path):
