@@ -62,8 +62,8 @@ def _check(rewards: torch.Tensor, k: int, norm: str) -> None:
     if rewards.numel() == 0 or rewards.numel() % k != 0:
         raise ValueError(f"N={rewards.numel()} rewards cannot be split into groups of k={k}")
     if not torch.isfinite(rewards).all():
-        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-        raise ValueError(f"non-finite reward at positions {bad[:10]}; refusing to average it in")
+        where = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        raise ValueError(f"non-finite reward at positions {where[:10]}; refusing to average it in")
 
 
 def _std(x: torch.Tensor, dim, unbiased: bool) -> torch.Tensor:

@@ -3,7 +3,7 @@
     python bench.py                                     # tiny model: s/step, time split, tokens/s, peak memory
     python bench.py --config 25m --vs-trl --json results/bench/25m.json
     python bench.py --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
-    python bench.py logprobs                            # peak extra memory of grpo.token_logprobs
+    python bench.py logprobs                            # peak extra memory of logprobs.token_logprobs
 
 The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
@@ -21,6 +21,7 @@ torch (which then stays as it is):  pip install trl==1.16.0
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -47,15 +48,13 @@ BETA, LR = 0.04, 1e-6
 
 def build(cfg: dict):
     """(model, tokenizer): random weights from seed 0, words w0..wV as the vocabulary."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
     import policy
     tok = policy.build_tokenizer([f"w{i}" for i in range(cfg["vocab"] - len(policy.SPECIAL))])
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=cfg["hidden"], intermediate_size=cfg["inter"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv"],
-        max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
+    model = Qwen2ForCausalLM(policy.tiny_config(tok, cfg["hidden"], cfg["layers"], 1024,
+                                                intermediate_size=cfg["inter"], num_attention_heads=cfg["heads"],
+                                                num_key_value_heads=cfg["kv"]))
     return model, tok
 
 
@@ -78,9 +77,9 @@ def peak_mb(device: str) -> float:
 # ---- ours: the trainer's own functions, timed piece by piece ----
 
 def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str) -> dict:
-    import advantages
     import grpo
     import rollout
+    import tasks
     model, tok = build(cfg)
     model.to(device)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -98,31 +97,31 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str) -> dict
             return out
         return wrapper
     model.generate = timed("generate", model.generate)
-    logprobs = grpo.completion_logprobs
+    score = rollout.completion_logprobs
 
     def which_logprobs(m, *a, **kw):          # the reference's forward, or the policy's old log-probs
         name = "reference" if m is ref else "old_logprobs"
-        return timed(name, logprobs)(m, *a, **kw)
+        return timed(name, score)(m, *a, **kw)
     rollout.completion_logprobs = which_logprobs
     opt.step = timed("optimizer", opt.step)
     n, times, split, tokens = cfg["b"] * cfg["k"], [], [], []
+    sampling = tasks.Sampling(max_new_tokens=cfg["new"])
+    hp = grpo.HyperParams(mini_batch=n, micro_batch=n, norm="group", k=cfg["k"], beta=BETA,
+                          max_len=cfg["new"], max_grad_norm=1.0, fast=fast)
     for step in range(steps):
         spent.clear()
         t0 = time.perf_counter()
         with amp():
-            batch = rollout.sample(model, tok, prompts(cfg, cfg["b"], step), cfg["k"], cfg["new"], 1.0,
-                                   ref, old_logp=not fast)
+            batch = rollout.sample(rollout.Models(model, tok, ref), prompts(cfg, cfg["b"], step), cfg["k"],
+                                   sampling, record_old_logp=not fast)
         t1 = time.perf_counter()
         ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask)]
         batch.rewards = torch.tensor(even_share(ids))
-        batch.advantages = advantages.compute(batch.rewards, cfg["k"], "group").to(device)
+        grpo.prepare(batch, hp)                                              # advantages (N,)
         spent["reward"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         with amp():
-            grpo.update(model, opt, batch, epochs=1, mini_batch=n, micro_batch=n, clip_eps=0.2,
-                        clip_eps_high=0.2, beta=BETA, kl_estimator="k3", kl_in_loss=True,
-                        entropy_coef=0.0, agg="token-mean", max_len=cfg["new"], max_grad_norm=1.0,
-                        temperature=1.0, seed=step, fast=fast)
+            grpo.update(model, opt, batch, dataclasses.replace(hp, seed=step))
         if device == "cuda":
             torch.cuda.synchronize()
         total = time.perf_counter() - t0
@@ -183,7 +182,7 @@ def rss_mb(field: str) -> float:
 
 def run_logprobs(shape: tuple, dtype: str, how: str) -> dict:
     """Peak RSS above the logits tensor while computing log-probs from it (no grad)."""
-    import grpo
+    import logprobs
     logits = torch.randn(shape, dtype=getattr(torch, dtype))           # pages touched
     ids = torch.randint(0, shape[-1], shape[:-1])
     with open("/proc/self/clear_refs", "w") as f:                       # reset the peak (VmHWM)
@@ -191,7 +190,7 @@ def run_logprobs(shape: tuple, dtype: str, how: str) -> dict:
     base = rss_mb("VmRSS")
     with torch.no_grad():
         if how == "ours":
-            grpo.token_logprobs(logits, ids)
+            logprobs.token_logprobs(logits, ids)
         else:                                                           # the naive formula
             torch.log_softmax(logits.float(), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     size = logits.numel() * logits.element_size() / 2 ** 20

@@ -129,6 +129,12 @@ class RunLock:
             os.close(self.fd)                # closing the file releases the lock
             self.fd = None
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
 
 def clear_run(run_dir: Path, names) -> None:
     """--overwrite: delete the earlier run's files (and nothing else) from run_dir."""
@@ -169,6 +175,12 @@ class Interrupts:
         for sig, handler in self.saved.items():
             signal.signal(sig, handler)
         self.saved = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
 
 
 # ---- checkpoints ----

@@ -26,6 +26,8 @@ import matplotlib.pyplot as plt
 
 import config
 import plots
+import report
+import tasks
 import train
 
 
@@ -150,10 +152,10 @@ def main(argv=None):
                     f"under {str(args.out)!r}, another --out keeps them")
         c = config.parse_config(common + shlex.split(s) + ["--overwrite"] * args.overwrite +
                                 ["--out", str(args.out / "runs" / slug(s) / "s0")])
-        unknown = [col for col in columns if col not in train.summary_keys(train.TASKS[c.task])]
+        unknown = [col for col in columns if col not in report.summary_keys(tasks.TASKS[c.task])]
         if unknown:
             p.error(f"--columns: {unknown[0]!r} is not a summary.json key of --task {c.task}; one of: "
-                    f"{', '.join(sorted(train.summary_keys(train.TASKS[c.task])))}")
+                    f"{', '.join(sorted(report.summary_keys(tasks.TASKS[c.task])))}")
     results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","),
                            columns, overwrite=args.overwrite)
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")

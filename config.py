@@ -25,6 +25,7 @@ import checkpoint
 import grpo
 import kl
 import schedules
+import tasks
 
 
 def opt(default, help, **kw):
@@ -34,7 +35,7 @@ def opt(default, help, **kw):
 @dataclass
 class Config:
     task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tool_task.py)",
-                    choices=("dsl", "tools"))
+                    choices=tuple(tasks.TASKS))
     reward: str = opt("shaped", "tools task: sparse +-1, report 000's shaped reward, or the format reward",
                       choices=("sparse", "shaped", "format"))
     reward_clip: float = opt(0.0, "tools task: clamp the shaped reward to [-c, c]; 0 = off")
@@ -133,94 +134,123 @@ class Config:
                 and self.mini_batch in (0, self.n) and not self.kl_in_reward)
 
 
+# ---- what the lesson code reads: two small objects, every "0 means the default" resolved here ----
+
+def hyper_params(cfg: Config) -> grpo.HyperParams:
+    """The update's and the advantages' settings; train.py replaces beta, entropy_coef and
+    seed each step (kl.py and schedules.py move the first two)."""
+    mini_batch = cfg.mini_batch or cfg.n
+    return grpo.HyperParams(
+        mini_batch=mini_batch, micro_batch=cfg.micro_batch or mini_batch, algo=cfg.algo,
+        k=cfg.k, norm=cfg.norm, unbiased=cfg.unbiased, adv_clip=cfg.adv_clip or None,
+        kl_in_reward=cfg.kl_in_reward, gamma=cfg.gamma, lam=cfg.lam,
+        clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, beta=cfg.beta,
+        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
+        max_len=cfg.max_new_tokens * (cfg.max_turns if cfg.task == "tools" else 1),
+        temperature=cfg.temperature, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip,
+        epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
+        fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
+        seed=cfg.seed)
+
+
+def sampling(cfg: Config) -> tasks.Sampling:
+    """How the task samples and scores rollouts (training and evaluation alike)."""
+    return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                          forward_batch=cfg.micro_batch or None, static_cache=cfg.compile,
+                          max_turns=cfg.max_turns, reward=cfg.reward, reward_clip=cfg.reward_clip or None,
+                          process_reward=not cfg.drop_process_reward)
+
+
+# ---- checking the flags ----
+
 class ConfigError(ValueError):
     pass
 
 
-def validate(c: Config) -> Config:
+def validate(cfg: Config) -> Config:
     """Check every flag before any work starts; raise ConfigError naming the flag."""
     def need(ok, flag, what):
         if not ok:
             raise ConfigError(f"--{flag}: {what}")
     for f in dataclasses.fields(Config):           # inf and nan pass every comparison below
-        value = getattr(c, f.name)
+        value = getattr(cfg, f.name)
         need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
              f"must be a finite number, got {value}")
-    need(0 <= c.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {c.seed}")
-    need(0 <= c.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {c.sft_seed}")
-    need(c.sft_lr > 0, "sft-lr", f"must be > 0, got {c.sft_lr}")
-    need(c.k >= 1, "k", f"must be >= 1, got {c.k}")
-    need(c.norm not in advantages.GROUP_NORMS or c.k >= 2, "k",
-         f"norm {c.norm!r} compares samples within a group and needs --k >= 2, got {c.k}")
-    need(c.batch >= 1, "batch", f"must be >= 1, got {c.batch}")
-    need(c.steps >= 1, "steps", f"must be >= 1, got {c.steps}")
-    need(c.lr > 0, "lr", f"must be > 0, got {c.lr}")
-    need(0 <= c.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {c.clip_eps}")
-    need(c.clip_eps_high >= 0, "clip-eps-high", f"must be >= 0, got {c.clip_eps_high}")
-    need(c.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {c.adv_clip}")
-    need(c.beta >= 0, "beta", f"must be >= 0, got {c.beta}")
-    need(c.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {c.entropy_coef}")
-    need(c.epochs >= 1, "epochs", f"must be >= 1, got {c.epochs}")
-    need(c.mini_batch >= 0 and (c.mini_batch == 0 or c.n % c.mini_batch == 0), "mini-batch",
-         f"must divide N = batch*k = {c.n} (or be 0), got {c.mini_batch}")
-    mini = c.mini_batch or c.n
-    need(c.micro_batch >= 0 and (c.micro_batch == 0 or mini % c.micro_batch == 0), "micro-batch",
-         f"must divide the mini-batch ({mini} sequences) (or be 0), got {c.micro_batch}")
-    need(c.target_kl >= 0, "target-kl", f"must be >= 0 (0 = off), got {c.target_kl}")
-    need(0 <= c.min_lr <= c.lr, "min-lr", f"must be in [0, --lr], got {c.min_lr}")
-    need(0 <= c.warmup_steps < c.steps, "warmup-steps", f"must be in [0, --steps), got {c.warmup_steps}")
-    need(c.entropy_coef_end == -1 or c.entropy_coef_end >= 0, "entropy-coef-end",
-         f"must be >= 0 (or -1 = no decay), got {c.entropy_coef_end}")
-    need(c.kl_control == "fixed" or c.beta > 0, "kl-coef",
-         f"adaptive --kl-control {c.kl_control} needs a starting --kl-coef > 0")
-    lo, hi = kl.KLController.CLAMP[c.kl_control]
-    need(c.kl_control == "fixed" or lo <= c.beta <= hi, "kl-coef",
-         f"--kl-control {c.kl_control} keeps beta in [{lo}, {hi}]; a starting --kl-coef {c.beta} is outside it")
-    need(c.kl_target > 0, "kl-target", f"must be > 0, got {c.kl_target}")
-    need(c.kl_horizon > 0, "kl-horizon", f"must be > 0, got {c.kl_horizon}")
-    need(0 < c.kl_target_min < c.kl_target_max, "kl-target-min",
-         f"need 0 < --kl-target-min < --kl-target-max, got {c.kl_target_min} and {c.kl_target_max}")
-    need(c.vf_coef >= 0, "vf-coef", f"must be >= 0, got {c.vf_coef}")
-    need(c.value_clip >= 0, "value-clip", f"must be >= 0 (0 = off), got {c.value_clip}")
-    need(0 <= c.gamma <= 1, "gamma", f"must be in [0, 1], got {c.gamma}")
-    need(0 <= c.lam <= 1, "lam", f"must be in [0, 1], got {c.lam}")
-    need(c.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {c.max_grad_norm}")
-    need(c.temperature > 0, "temperature", f"must be > 0, got {c.temperature}")
-    need(c.max_turns >= 1, "max-turns", f"must be >= 1, got {c.max_turns}")
-    need(c.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {c.reward_clip}")
-    need(c.max_new_tokens >= 1, "max-new-tokens", f"must be >= 1, got {c.max_new_tokens}")
-    need(c.eval_every >= 1, "eval-every", f"must be >= 1, got {c.eval_every}")
-    need(c.eval_samples >= 1, "eval-samples", f"must be >= 1, got {c.eval_samples}")
-    need(c.hidden >= 4 and c.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {c.hidden}")
-    need(c.layers >= 1, "layers", f"must be >= 1, got {c.layers}")
-    need(c.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {c.sft_steps}")
-    need(c.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {c.save_every}")
-    need(c.keep_checkpoints >= 0, "keep-checkpoints", f"must be >= 0 (0 = all), got {c.keep_checkpoints}")
-    need(c.max_skips >= 0, "max-skips", f"must be >= 0, got {c.max_skips}")
-    need(c.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {c.alert_entropy}")
-    need(c.alert_kl > 0, "alert-kl", f"must be > 0, got {c.alert_kl}")
-    need(c.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {c.alert_reward_range}")
-    need(c.alert_window >= 2, "alert-window", f"must be >= 2, got {c.alert_window}")
-    need(c.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
-    need(not c.compile or (c.device != "cpu" and torch.cuda.is_available()), "compile",
+    need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {cfg.seed}")
+    need(0 <= cfg.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {cfg.sft_seed}")
+    need(cfg.sft_lr > 0, "sft-lr", f"must be > 0, got {cfg.sft_lr}")
+    need(cfg.k >= 1, "k", f"must be >= 1, got {cfg.k}")
+    need(cfg.norm not in advantages.GROUP_NORMS or cfg.k >= 2, "k",
+         f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
+    need(cfg.batch >= 1, "batch", f"must be >= 1, got {cfg.batch}")
+    need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
+    need(cfg.lr > 0, "lr", f"must be > 0, got {cfg.lr}")
+    need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
+    need(cfg.clip_eps_high >= 0, "clip-eps-high", f"must be >= 0, got {cfg.clip_eps_high}")
+    need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")
+    need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
+    need(cfg.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {cfg.entropy_coef}")
+    need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
+    need(cfg.mini_batch >= 0 and (cfg.mini_batch == 0 or cfg.n % cfg.mini_batch == 0), "mini-batch",
+         f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}")
+    mini = cfg.mini_batch or cfg.n
+    need(cfg.micro_batch >= 0 and (cfg.micro_batch == 0 or mini % cfg.micro_batch == 0), "micro-batch",
+         f"must divide the mini-batch ({mini} sequences) (or be 0), got {cfg.micro_batch}")
+    need(cfg.target_kl >= 0, "target-kl", f"must be >= 0 (0 = off), got {cfg.target_kl}")
+    need(0 <= cfg.min_lr <= cfg.lr, "min-lr", f"must be in [0, --lr], got {cfg.min_lr}")
+    need(0 <= cfg.warmup_steps < cfg.steps, "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}")
+    need(cfg.entropy_coef_end == -1 or cfg.entropy_coef_end >= 0, "entropy-coef-end",
+         f"must be >= 0 (or -1 = no decay), got {cfg.entropy_coef_end}")
+    need(cfg.kl_control == "fixed" or cfg.beta > 0, "kl-coef",
+         f"adaptive --kl-control {cfg.kl_control} needs a starting --kl-coef > 0")
+    lo, hi = kl.KLController.CLAMP[cfg.kl_control]
+    need(cfg.kl_control == "fixed" or lo <= cfg.beta <= hi, "kl-coef",
+         f"--kl-control {cfg.kl_control} keeps beta in [{lo}, {hi}]; a starting --kl-coef {cfg.beta} is outside it")
+    need(cfg.kl_target > 0, "kl-target", f"must be > 0, got {cfg.kl_target}")
+    need(cfg.kl_horizon > 0, "kl-horizon", f"must be > 0, got {cfg.kl_horizon}")
+    need(0 < cfg.kl_target_min < cfg.kl_target_max, "kl-target-min",
+         f"need 0 < --kl-target-min < --kl-target-max, got {cfg.kl_target_min} and {cfg.kl_target_max}")
+    need(cfg.vf_coef >= 0, "vf-coef", f"must be >= 0, got {cfg.vf_coef}")
+    need(cfg.value_clip >= 0, "value-clip", f"must be >= 0 (0 = off), got {cfg.value_clip}")
+    need(0 <= cfg.gamma <= 1, "gamma", f"must be in [0, 1], got {cfg.gamma}")
+    need(0 <= cfg.lam <= 1, "lam", f"must be in [0, 1], got {cfg.lam}")
+    need(cfg.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {cfg.max_grad_norm}")
+    need(cfg.temperature > 0, "temperature", f"must be > 0, got {cfg.temperature}")
+    need(cfg.max_turns >= 1, "max-turns", f"must be >= 1, got {cfg.max_turns}")
+    need(cfg.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {cfg.reward_clip}")
+    need(cfg.max_new_tokens >= 1, "max-new-tokens", f"must be >= 1, got {cfg.max_new_tokens}")
+    need(cfg.eval_every >= 1, "eval-every", f"must be >= 1, got {cfg.eval_every}")
+    need(cfg.eval_samples >= 1, "eval-samples", f"must be >= 1, got {cfg.eval_samples}")
+    need(cfg.hidden >= 4 and cfg.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {cfg.hidden}")
+    need(cfg.layers >= 1, "layers", f"must be >= 1, got {cfg.layers}")
+    need(cfg.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {cfg.sft_steps}")
+    need(cfg.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {cfg.save_every}")
+    need(cfg.keep_checkpoints >= 0, "keep-checkpoints", f"must be >= 0 (0 = all), got {cfg.keep_checkpoints}")
+    need(cfg.max_skips >= 0, "max-skips", f"must be >= 0, got {cfg.max_skips}")
+    need(cfg.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {cfg.alert_entropy}")
+    need(cfg.alert_kl > 0, "alert-kl", f"must be > 0, got {cfg.alert_kl}")
+    need(cfg.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {cfg.alert_reward_range}")
+    need(cfg.alert_window >= 2, "alert-window", f"must be >= 2, got {cfg.alert_window}")
+    need(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
+    need(not cfg.compile or (cfg.device != "cpu" and torch.cuda.is_available()), "compile",
          "needs a GPU (--device auto or cuda, with CUDA visible)")
-    if c.model:
-        problem = model_folder_problem(Path(c.model))
-        need(not problem, "model", f"{c.model!r}: {problem}")
+    if cfg.model:
+        problem = model_folder_problem(Path(cfg.model))
+        need(not problem, "model", f"{cfg.model!r}: {problem}")
     else:
-        need(writable(Path(c.cache_dir)), "cache-dir", f"cannot create or write to the folder {c.cache_dir!r}")
-    need(not (c.overwrite and c.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
-    if not c.out:                      # the default name, with a fresh suffix if it holds a run
-        base = default_out(c)
+        need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
+    need(not (cfg.overwrite and cfg.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
+    if not cfg.out:                      # the default name, with a fresh suffix if it holds a run
+        base = default_out(cfg)
         names = (base if i == 1 else f"{base}-{i}" for i in itertools.count(1))
-        c.out = next(name for name in names if not holds_run(Path(name)))
-    out = Path(c.out)
-    need(c.resume or c.overwrite or not holds_run(out), "out",
-         f"{c.out!r} holds a run already ({holds_run(out)}); --resume {c.out} continues it, "
+        cfg.out = next(name for name in names if not holds_run(Path(name)))
+    out = Path(cfg.out)
+    need(cfg.resume or cfg.overwrite or not holds_run(out), "out",
+         f"{cfg.out!r} holds a run already ({holds_run(out)}); --resume {cfg.out} continues it, "
          f"--overwrite replaces it, another --out keeps it")
     # the one side effect of validation: the run's folder
     need(writable(out), "out", f"cannot create or write to the folder {str(out)!r}")
-    return c
+    return cfg
 
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints")
@@ -267,11 +297,11 @@ def model_folder_problem(path: Path) -> str | None:
     return None
 
 
-def default_out(c: Config) -> str:
-    task = f"tools_{c.reward}_" if c.task == "tools" else ""
-    if c.algo == "ppo":
-        return f"runs/{task}ppo_k{c.k}_b{c.batch}_lr{c.lr:g}_s{c.seed}"
-    return f"runs/{task}k{c.k}_b{c.batch}_{c.norm}_lr{c.lr:g}_s{c.seed}"
+def default_out(cfg: Config) -> str:
+    task = f"tools_{cfg.reward}_" if cfg.task == "tools" else ""
+    if cfg.algo == "ppo":
+        return f"runs/{task}ppo_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
+    return f"runs/{task}k{cfg.k}_b{cfg.batch}_{cfg.norm}_lr{cfg.lr:g}_s{cfg.seed}"
 
 
 def fail(message: str):
@@ -313,12 +343,12 @@ def parse_config(argv=None) -> Config:
     args = _parser().parse_args(argv)
     given = vars(_parser(explicit_only=True).parse_args(argv))
     try:
-        c = Config(**vars(args))
+        cfg = Config(**vars(args))
         if "resume" in given:
-            if not c.resume.strip():
+            if not cfg.resume.strip():
                 raise ConfigError("--resume: needs the folder of the run to continue, got an empty string")
-            c = resumed_config(c, given)
-        return validate(c)
+            cfg = resumed_config(cfg, given)
+        return validate(cfg)
     except ConfigError as e:
         fail(str(e))
 
@@ -326,15 +356,15 @@ def parse_config(argv=None) -> Config:
 RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite")
 
 
-def resumed_config(c: Config, given: dict) -> Config:
+def resumed_config(cfg: Config, given: dict) -> Config:
     """The saved configuration of the run being resumed. A flag given on the command line must
     equal the saved value (re-running the original command with --resume added works);
     --steps may extend the run, --quiet may change."""
     if given.get("overwrite"):
         raise ConfigError("--overwrite: replaces a run, --resume continues it: not both")
-    ckpt = checkpoint.find(Path(c.resume))
+    ckpt = checkpoint.find(Path(cfg.resume))
     if ckpt is None:
-        raise ConfigError(f"--resume: no checkpoint in {c.resume!r} (expected a run folder "
+        raise ConfigError(f"--resume: no checkpoint in {cfg.resume!r} (expected a run folder "
                           f"with checkpoints/step-*/ or a checkpoint folder)")
     run_dir = checkpoint.run_dir_of(ckpt)
     try:
@@ -352,8 +382,8 @@ def resumed_config(c: Config, given: dict) -> Config:
             raise ConfigError(f"--resume: --{name.replace('_', '-')} was {saved.get(name)!r} in the saved "
                               f"run and is {value!r} now; a resumed run keeps its configuration "
                               f"(only --steps and --quiet can change)")
-    merged = {**saved, "resume": str(run_dir if (Path(c.resume) / "checkpoints").is_dir() else ckpt),
-              "quiet": c.quiet, "steps": c.steps if "steps" in given else saved.get("steps", c.steps),
+    merged = {**saved, "resume": str(run_dir if (Path(cfg.resume) / "checkpoints").is_dir() else ckpt),
+              "quiet": cfg.quiet, "steps": cfg.steps if "steps" in given else saved.get("steps", cfg.steps),
               "overwrite": False}                 # the run was made with it, perhaps; it goes on now
     at = int(ckpt.name.split("-")[-1]) if ckpt.name.startswith("step-") else 0
     if merged["steps"] <= at:

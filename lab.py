@@ -28,6 +28,7 @@ import plots
 import policy
 import rewards
 import rollout
+import tasks
 import workflow_task
 
 SEEDS, QUICK_SEEDS = 6, 2
@@ -139,7 +140,7 @@ def gradient_variance(n_samples: int, repeats: int, micro: int) -> tuple[float, 
     """Per-parameter variance over `repeats` independent batches of the GRPO policy gradient at
     the warm start, averaged over parameters; and the largest relative gap between the
     gradient accumulated over micro-batches of `micro` and the one-pass gradient."""
-    model, tok = policy.tiny_policy(workflow_task, 64, 2, 300, 3e-3, 64, 0, Path(".cache/warmstart"),
+    model, tok = policy.tiny_policy(workflow_task, 64, 2, policy.WarmStart(), Path(".cache/warmstart"),
                                     log=lambda s: None)
     prompts = workflow_task.prompts("train")
     k = 8
@@ -148,16 +149,14 @@ def gradient_variance(n_samples: int, repeats: int, micro: int) -> tuple[float, 
         torch.manual_seed(rep)
         chosen = [prompts[i % len(prompts)] for i in torch.randperm(len(prompts) * 8)[: n_samples // k].tolist()]
         texts = [p["text"] for p in chosen]
-        batch = rollout.sample(model, tok, texts, k, 24, 1.0)
+        batch = rollout.sample(rollout.Models(model, tok), texts, k, tasks.Sampling())
         bests = [p["best"] for p in chosen for _ in range(k)]
         batch.rewards = torch.tensor([rewards.dsl_reward(t, b) for t, b in zip(batch.texts, bests)])
         batch.advantages = advantages.compute(batch.rewards, k, "global")
         flat = {}
         for mb in (len(texts) * k, micro):
             opt = torch.optim.SGD(model.parameters(), lr=0.0)         # lr 0: the weights stay put
-            grpo.update(model, opt, batch, epochs=1, mini_batch=len(texts) * k, micro_batch=mb, clip_eps=0.2,
-                        clip_eps_high=0.2, beta=0.0, kl_estimator="k3", kl_in_loss=True, entropy_coef=0.0,
-                        agg="token-mean", max_len=24, max_grad_norm=float("inf"), temperature=1.0, seed=rep)
+            grpo.update(model, opt, batch, grpo.HyperParams(mini_batch=len(texts) * k, micro_batch=mb, seed=rep))
             flat[mb] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         gap = max(gap, ((flat[micro] - flat[len(texts) * k]).abs().max() / flat[len(texts) * k].abs().max()).item())
         grads.append(flat[len(texts) * k])

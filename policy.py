@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +28,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen2ForCausalLM)
 
-import grpo
+import logprobs
+import rollout
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -46,12 +48,14 @@ def build_tokenizer(words: list) -> PreTrainedTokenizerFast:
     return tok
 
 
-def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128) -> Qwen2Config:
-    return Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=4 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape) -> Qwen2Config:
+    """A Qwen2 config over tok's vocabulary: 4 heads (2 for keys and values), a 4 x hidden MLP
+    and tied embeddings, unless shape says otherwise (bench.py's larger shapes, the tests')."""
+    shape = dict(dict(intermediate_size=4 * hidden, num_attention_heads=4, num_key_value_heads=2), **shape)
+    return Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                        max_position_embeddings=max_positions, tie_word_embeddings=True,
                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                       bos_token_id=tok.eos_token_id)
+                       bos_token_id=tok.eos_token_id, **shape)
 
 
 # ---- supervised warm-start ----
@@ -73,21 +77,28 @@ def sft_batch(task, tok, batch: int, rng: random.Random):
             row, label = row + [tok.eos_token_id], label + [tok.eos_token_id]
         rows.append(row)
         labels.append(label)
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
-    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    return ids, mask, lab
+    ids = rollout.pad(rows, tok.pad_token_id)                                # (n, L)
+    mask = rollout.pad([[1] * len(r) for r in rows], 0)                      # (n, L)
+    return ids, mask, rollout.pad(labels, -100)
 
 
-def warm_start(task, model, tok, steps: int, lr: float, batch: int, seed: int) -> list[float]:
+@dataclass(frozen=True)
+class WarmStart:
+    """The supervised warm-up before RL (--sft-steps, --sft-lr, --sft-seed)."""
+    steps: int = 300
+    lr: float = 3e-3
+    batch: int = 64                  # examples per step
+    seed: int = 0                    # the examples' draws and the tiny model's initial weights
+
+
+def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
     """Supervised fine-tuning on fresh draws from the report-shaped mix; returns losses."""
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(warm.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=warm.lr)
     losses = []
     model.train()
-    for _ in range(steps):
-        ids, mask, lab = sft_batch(task, tok, batch, rng)
+    for _ in range(warm.steps):
+        ids, mask, lab = sft_batch(task, tok, warm.batch, rng)
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad()
         loss.backward()
@@ -101,22 +112,21 @@ def cache_key(settings: dict, task) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def tiny_policy(task, hidden: int, layers: int, sft_steps: int, sft_lr: float,
-                sft_batch_size: int, seed: int, cache_dir: Path, log=print):
+def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path, log=print):
     """The tiny default policy for a task, warm-started, from the cache when it is there."""
     tok = build_tokenizer(task.vocabulary())
-    settings = dict(hidden=hidden, layers=layers, sft_steps=sft_steps, sft_lr=sft_lr,
-                    sft_batch=sft_batch_size, seed=seed)
+    settings = dict(hidden=hidden, layers=layers, sft_steps=warm.steps, sft_lr=warm.lr,
+                    sft_batch=warm.batch, seed=warm.seed)
     path = Path(cache_dir) / cache_key(settings, task)
     if (path / "config.json").exists():
         log(f"warm-start: loaded from cache {path}")
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tok
-    torch.manual_seed(seed)
+    torch.manual_seed(warm.seed)
     model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
     t0 = time.time()
-    losses = warm_start(task, model, tok, sft_steps, sft_lr, sft_batch_size, seed)
+    losses = warm_start(task, model, tok, warm)
     size = f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters"
-    log(f"warm-start ({size}): {sft_steps} supervised steps in {time.time() - t0:.1f}s, "
+    log(f"warm-start ({size}): {warm.steps} supervised steps in {time.time() - t0:.1f}s, "
         f"loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else f"warm-start ({size}): 0 steps")
     # Written to a temporary folder of this process's own and renamed, so a crash never
     # leaves half a cache entry, and two runs warming up the same entry at once do not
@@ -143,22 +153,23 @@ class ModelError(ValueError):
     """A model folder this code cannot train correctly; train.py turns it into one line, exit 2."""
 
 
-def local_policy(task, path: str, sft_steps: int, sft_lr: float, sft_batch_size: int, seed: int,
-                 log=print):
+def local_policy(task, path: str, warm: WarmStart, log=print):
+    """A local Hugging Face causal LM folder and its tokenizer, in float32, checked
+    (logprobs.check_logprobs), warm-started only when warm.steps > 0."""
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    error = grpo.check_logprobs(model)
+    error = logprobs.check_logprobs(model)
     if not error < 1e-3:
         raise ModelError(f"--model: {path!r} ({type(model).__name__}) transforms its logits in a way "
-                         f"grpo.head_logits does not reproduce (log-probs off by {error:.3g}); "
+                         f"logprobs.head_logits does not reproduce (log-probs off by {error:.3g}); "
                          f"its ratios and KLs would be wrong, so it is refused")
     tok.padding_side = "left"
     if tok.pad_token is None:
         # Pad may equal EOS here; completion masks come from the first EOS, not from pad ids.
         tok.pad_token = tok.eos_token
-    if sft_steps > 0:
-        losses = warm_start(task, model, tok, sft_steps, sft_lr, sft_batch_size, seed)
-        log(f"warm-start: {sft_steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
+    if warm.steps > 0:
+        losses = warm_start(task, model, tok, warm)
+        log(f"warm-start: {warm.steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
     return model, tok
 
 

@@ -18,8 +18,9 @@ One PPO step, per token t of sequence i:
     L_value  = 1/2 max((V - G)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - G)^2)
     loss     = L_policy + vf_coef * L_value - entropy_coef * H
 
-averaged by grpo.aggregate and optimised by grpo.optimize (epochs over shuffled mini-batches,
-CleanRL's early stop at --target-kl). Without --value-clip the value loss is 1/2 (V - G)^2.
+averaged by grpo.aggregate, in grpo.py's loop (epochs over shuffled mini-batches, CleanRL's
+early stop at --target-kl), which `update` below writes out with the value loss added.
+Without --value-clip the value loss is 1/2 (V - G)^2.
 
     python train.py --algo ppo
 """
@@ -29,6 +30,8 @@ from torch import nn
 import advantages
 import grpo
 import kl
+import logprobs
+from grpo import HyperParams
 
 
 class ValueHead(nn.Module):
@@ -88,55 +91,46 @@ def explained_variance(values, returns, mask) -> float:
     return (1 - (g - v).var(correction=0) / var).item() if var > 0 else float("nan")
 
 
-def prepare(batch, *, beta: float, kl_estimator: str, kl_in_reward: bool, gamma: float,
-            lam: float) -> None:
+def prepare(batch, hp: HyperParams) -> None:
     """Fill batch.advantages (n, C, whitened) and batch.returns (n, C) from its rewards."""
-    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, kl_estimator) \
-        if (kl_in_reward and batch.ref_logp is not None) else None
-    r = token_rewards(batch.rewards.to(batch.old_logp.device), batch.completion_mask, beta, kl_t)
-    adv, batch.returns = advantages.gae(r, batch.old_values, batch.completion_mask, gamma, lam)
-    batch.advantages = advantages.whiten(adv, batch.completion_mask)
+    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, hp.kl_estimator) \
+        if (hp.kl_in_reward and batch.ref_logp is not None) else None                  # (n, C)
+    r = token_rewards(batch.rewards.to(batch.old_logp.device), batch.completion_mask, hp.beta, kl_t)
+    adv, batch.returns = advantages.gae(r, batch.old_values, batch.completion_mask, hp.gamma, hp.lam)
+    batch.advantages = advantages.whiten(adv, batch.completion_mask)                   # (n, C)
 
 
 # ---- one PPO update ----
 
-def update(model, value_head, optimizer, batch, *, epochs: int, mini_batch: int,
-           micro_batch: int, clip_eps: float, clip_eps_high: float, value_clip: float,
-           vf_coef: float, beta: float, kl_estimator: str, kl_in_loss: bool,
-           entropy_coef: float, agg: str, max_len: int, max_grad_norm: float,
-           temperature: float, seed: int, target_kl: float = 0.0, fast: bool = False) -> dict:
-    """PPO's losses on one batch (after `prepare`), optimised by grpo.optimize (fast:
-    length-sorted, trimmed micro-batches).
+def update(model, value_head, optimizer, batch, hp: HyperParams) -> dict:
+    """PPO's losses on one batch (after `prepare`): grpo.update's loop, with the critic's
+    value loss added to the policy terms and the value head's parameters stepped too.
 
     Returns the metrics of grpo.update plus value_loss (token mean of the unweighted value
-    loss) and epochs_run (fewer than --epochs when --target-kl stopped it)."""
-    def loss_fn(idx, mb_seqs, mb_tokens):
-        p_ids, p_mask, c_ids, attn, mask, cols = grpo.micro_batch_rows(batch, idx, trim=fast)  # (n, C)
-        logp, ent, h = grpo.completion_logprobs(model, p_ids, p_mask, c_ids, attn, temperature,
-                                                with_entropy=True, entropy_grad=entropy_coef > 0,
-                                                return_hidden=True)
-        old = batch.old_logp[idx][:, cols]
-        surrogate, clipped = grpo.clipped_surrogate(logp, old, batch.advantages[idx][:, cols],
-                                                    clip_eps, clip_eps_high)
-        v_loss = value_loss(value_head(h), batch.old_values[idx][:, cols], batch.returns[idx][:, cols],
-                            value_clip)
-        per_token = -surrogate + vf_coef * v_loss                               # (n, C)
-        if kl_in_loss and batch.ref_logp is not None:
-            per_token = per_token + beta * kl.estimate(logp, batch.ref_logp[idx][:, cols], kl_estimator)
-        if entropy_coef > 0:
-            per_token = per_token - entropy_coef * ent
-        loss = grpo.aggregate(per_token, mask, agg, mb_seqs, mb_tokens, max_len)
-        log_ratio = (logp - old).detach()
-        return loss, dict(entropy=(ent.detach() * mask).sum().item(),
-                          clipped=(clipped.float() * mask).sum().item(),
-                          value_loss=(v_loss.detach() * mask).sum().item(),
-                          approx_kl=(((log_ratio.exp() - 1) - log_ratio) * mask).sum().item())
-
+    loss)."""
     model.train()
     params = list(model.parameters()) + list(value_head.parameters())
-    out = grpo.optimize(params, optimizer, batch.completion_mask, loss_fn,
-                        epochs=epochs, mini_batch=mini_batch, micro_batch=micro_batch,
-                        max_grad_norm=max_grad_norm, seed=seed, target_kl=target_kl,
-                        lengths=batch.attention().sum(1) if fast else None)
-    out["clip_frac"] = out.pop("clipped")
-    return out
+    gen = torch.Generator().manual_seed(hp.seed)
+    stats = grpo.UpdateStats()
+    for _ in range(hp.epochs):
+        stats.new_epoch()
+        for mb in grpo.minibatches(batch, hp, gen):
+            optimizer.zero_grad(set_to_none=True)
+            for idx in mb.micro_batches:
+                rows = batch.rows(idx, trim=hp.fast)                              # (n, C) each
+                logp, entropy, h = logprobs.completion_logprobs(model, rows.tokens, hp.temperature,
+                                                                with_entropy=True,
+                                                                entropy_grad=hp.entropy_coef > 0,
+                                                                return_hidden=True)
+                per_token, sums = grpo.policy_loss(logp, rows.old_logp, entropy, rows, hp)  # (n, C)
+                v_loss = value_loss(value_head(h), rows.old_values, rows.returns, hp.value_clip)
+                per_token = per_token + hp.vf_coef * v_loss                           # (n, C)
+                sums["value_loss"] = (v_loss.detach() * rows.mask).sum().item()
+                loss = grpo.aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
+                loss.backward()
+                stats.add(loss.item(), sums)
+            stats.stepped(mb.tokens, *grpo.optimizer_step(optimizer, params, hp.max_grad_norm,
+                                                          stats.minibatch_loss))
+        if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
+            break
+    return stats.result()

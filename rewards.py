@@ -152,17 +152,3 @@ def format_reward(episode: list, texts: list) -> float:
                 if any(t.get("answered") for t in episode):
                     stages = 4
     return stages / 4
-
-
-def weighted_sum(terms: dict, weights: dict) -> float:
-    """A composite reward: sum_k weights[k] * terms[k] (every term weighted, none missed)."""
-    if set(terms) != set(weights):
-        raise ValueError(f"terms {sorted(terms)} and weights {sorted(weights)} differ")
-    return float(sum(weights[k] * terms[k] for k in terms))
-
-
-def report_003_reward(hard: float, soft: float, rel: float) -> float:
-    """Report 003's selector reward: 2.0 * hard + 1.0 * soft + 0.1 * (1 - hard) * rel,
-    written as a weighted sum (hard, soft, rel in [0, 1]; range [0, 3])."""
-    return weighted_sum({"hard": hard, "soft": soft, "rel_if_wrong": (1 - hard) * rel},
-                        {"hard": 2.0, "soft": 1.0, "rel_if_wrong": 0.1})

@@ -16,13 +16,40 @@ a token the environment inserted (a `<tool_response>`) is in the context, attend
 every later token, but has mask 0: it is never trained on, because the policy did not
 choose it. So completion_attn (attention: every real token) and completion_mask (loss:
 the policy's tokens only) differ there.
+
+`sampling` below is a tasks.Sampling: temperature, max_new_tokens, forward_batch (sequences
+per scoring forward) and static_cache.
 """
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import GenerationConfig
 
-from grpo import completion_logprobs
+from logprobs import Tokens, completion_logprobs
+
+
+@dataclass
+class Models:
+    """The networks a rollout uses: the policy and its tokenizer; the frozen reference (with
+    a KL term) and the critic's value head (PPO), or None."""
+    model: nn.Module
+    tok: object
+    ref: nn.Module | None = None
+    value_head: nn.Module | None = None
+
+
+@dataclass
+class Rows:
+    """Some rows of a Rollout, for one forward (a micro-batch); every (n, C) tensor cut to the
+    same columns. Fields as in Rollout; advantages (n,) or (n, C)."""
+    tokens: Tokens
+    mask: torch.Tensor
+    old_logp: torch.Tensor | None
+    ref_logp: torch.Tensor | None
+    advantages: torch.Tensor | None
+    old_values: torch.Tensor | None
+    returns: torch.Tensor | None
 
 
 @dataclass
@@ -46,6 +73,36 @@ class Rollout:
         """(n, C) attention mask of the completion: every real token, policy's or not."""
         attn = self.completion_mask if self.completion_attn is None else self.completion_attn
         return attn[idx]
+
+    def sequence_advantages(self) -> torch.Tensor:
+        """(N,) one advantage per rollout: GRPO's A_i, or PPO's mean over the rollout's policy tokens."""
+        if self.advantages.dim() == 1:
+            return self.advantages
+        m = self.completion_mask
+        return (self.advantages * m).sum(1) / m.sum(1).clamp_min(1)
+
+    def tokens(self, idx=slice(None)) -> Tokens:
+        """The rows idx as the four tensors of a forward (logprobs.completion_logprobs)."""
+        return Tokens(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
+                      self.attention(idx))
+
+    def rows(self, idx, trim: bool = False) -> Rows:
+        """The rows idx for one forward of the update. trim (--fast) drops the columns that are
+        padding in every row: the leading prompt padding and everything after the longest
+        completion. Causal attention leaves the kept tokens' log-probs unchanged."""
+        p_ids, p_mask, attn = self.prompt_ids[idx], self.prompt_mask[idx], self.attention(idx)
+        cols = slice(None)
+        if trim:
+            start = int((p_mask.sum(0) == 0).sum())        # left padding: the all-pad columns lead
+            p_ids, p_mask = p_ids[:, start:], p_mask[:, start:]
+            cols = slice(0, int(attn.sum(1).max()))
+
+        def cut(t):                                                    # (N, C) -> (n, kept C)
+            return None if t is None else t[idx][:, cols]
+        adv = self.advantages[idx] if self.advantages.dim() == 1 else cut(self.advantages)
+        return Rows(Tokens(p_ids, p_mask, self.completion_ids[idx][:, cols], attn[:, cols]),
+                    cut(self.completion_mask), cut(self.old_logp), cut(self.ref_logp), adv,
+                    cut(self.old_values), cut(self.returns))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -97,23 +154,23 @@ def generate(model, gen_config: GenerationConfig, **inputs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperature: float,
-           ref_model=None, value_head=None, old_logp: bool = True, chunk: int | None = None,
-           static_cache: bool = False) -> Rollout:
+def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp: bool = True) -> Rollout:
     """Generate k completions for each prompt and record them with their log-probs (and,
-    given a value head, the values, from the same forward pass). old_logp=False skips the
-    policy's forward when nothing needs it (evaluation; --fast with one update per batch).
-    static_cache (--compile, CUDA): a static KV cache that torch.compile can specialise on,
-    with prompts padded to a multiple of 64 tokens so their lengths rarely recompile it."""
+    given a value head, the values, from the same forward pass). record_old_logp=False skips
+    the policy's forward when nothing needs it (evaluation; --fast with one update per batch).
+    sampling.static_cache (--compile, CUDA): a static KV cache that torch.compile can
+    specialise on, with prompts padded to a multiple of 64 tokens so their lengths rarely
+    recompile it."""
+    model, tok = models.model, models.tok
     texts = [t for t in prompt_texts for _ in range(k)]            # N = B*K, grouped
     device = next(model.parameters()).device
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
-              pad_to_multiple_of=64 if static_cache else None).to(device)
+              pad_to_multiple_of=64 if sampling.static_cache else None).to(device)
     model.eval()
     # Pure sampling from softmax(logits / temperature), so the log-probs below are those of
     # the distribution the samples came from. generate stops once every sequence sampled EOS.
-    gen = plain_sampling(tok, temperature, max_new_tokens, eos_token_id=tok.eos_token_id,
-                         cache_implementation="static" if static_cache else None)
+    gen = plain_sampling(tok, sampling.temperature, sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
+                         cache_implementation="static" if sampling.static_cache else None)
     out = generate(model, gen, **enc)                                          # (N, P+C)
     p_len = enc["input_ids"].shape[1]
     completion_ids = out[:, p_len:]                                 # (N, C)
@@ -122,36 +179,38 @@ def sample(model, tok, prompt_texts: list, k: int, max_new_tokens: int, temperat
     decoded = tok.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
                     None, None, [d.strip() for d in decoded])
-    return score_logprobs(batch, model, temperature, ref_model, value_head, old_logp, chunk)
+    return score_logprobs(batch, models, sampling, record_old_logp)
 
 
 @torch.no_grad()
-def score_logprobs(batch: Rollout, model, temperature: float, ref_model=None, value_head=None,
-                   old_logp: bool = True, chunk: int | None = None):
-    """Fill old_logp (unless old_logp=False and there is no value head), old_values and
-    ref_logp of a sampled batch, `chunk` sequences per forward; returns the batch."""
+def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bool = True) -> Rollout:
+    """Fill old_logp (unless record_old_logp=False and there is no value head), old_values and
+    ref_logp of a sampled batch, sampling.forward_batch sequences per forward; returns the batch."""
     n = len(batch.completion_ids)
-    chunk = chunk or n
+    size = sampling.forward_batch or n
 
     def forward(m, hidden=False):        # (N, C) log-probs [and (N, C, H) hidden states]
-        parts = [completion_logprobs(m, batch.prompt_ids[i:i + chunk], batch.prompt_mask[i:i + chunk],
-                                     batch.completion_ids[i:i + chunk], batch.attention(slice(i, i + chunk)),
-                                     temperature=temperature, return_hidden=hidden)
-                 for i in range(0, n, chunk)]
+        parts = [completion_logprobs(m, batch.tokens(slice(i, i + size)), sampling.temperature,
+                                     return_hidden=hidden) for i in range(0, n, size)]
         return torch.cat([p[0] for p in parts]), (torch.cat([p[2] for p in parts]) if hidden else None)
-    if old_logp or value_head is not None:
-        batch.old_logp, h = forward(model, hidden=value_head is not None)         # (N, C)
-        batch.old_values = value_head(h) if value_head is not None else None      # (N, C)
-    batch.ref_logp = forward(ref_model)[0] if ref_model is not None else None     # (N, C)
+    if record_old_logp or models.value_head is not None:
+        batch.old_logp, h = forward(models.model, hidden=models.value_head is not None)   # (N, C)
+        batch.old_values = models.value_head(h) if models.value_head is not None else None  # (N, C)
+    batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None          # (N, C)
     return batch
+
+
+def pad(rows: list, value, left: bool = False, device=None) -> torch.Tensor:
+    """Lists of unequal length -> (n, L), filled with value on the right (or the left)."""
+    width = max(map(len, rows))
+    return torch.tensor([[value] * (width - len(r)) + r if left else r + [value] * (width - len(r))
+                         for r in rows], device=device)
 
 
 def left_pad(rows: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> (ids, attention) (n, L), padded on the left."""
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-    attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, attn
+    return pad(rows, pad_id, left=True, device=device), \
+        pad([[1] * len(r) for r in rows], 0, left=True, device=device)
 
 
 def stop_ids(tok, stop_strings) -> list | None:
@@ -162,15 +221,15 @@ def stop_ids(tok, stop_strings) -> list | None:
 
 
 @torch.no_grad()
-def sample_episodes(model, tok, prompt_texts: list, envs: list, k: int, max_new_tokens: int,
-                    temperature: float, stop_strings, ref_model=None, value_head=None,
-                    old_logp: bool = True, chunk: int | None = None):
+def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, sampling, stop_strings,
+                    record_old_logp: bool = True):
     """Play N = B*K multi-turn episodes: envs[i] is already reset and plays row i (rows
     grouped by prompt, as in `sample`). Each turn, every unfinished episode generates until
     a stop string (the end of a tool call or of an answer), the environment answers, and its
     reply is appended to that episode's context. Returns the Rollout (completion = every
     turn and reply after the prompt; mask 1 only on the policy's tokens), the info dicts of
     each episode and the texts of each episode's policy turns."""
+    model, tok = models.model, models.tok
     device = next(model.parameters()).device
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in prompt_texts for _ in range(k)]
     n = len(prompts)
@@ -179,7 +238,7 @@ def sample_episodes(model, tok, prompt_texts: list, envs: list, k: int, max_new_
     stops = stop_ids(tok, stop_strings)
     ends = dict(eos_token_id=[tok.eos_token_id, *stops]) if stops else \
         dict(eos_token_id=tok.eos_token_id, stop_strings=list(stop_strings))
-    gen = plain_sampling(tok, temperature, max_new_tokens, **ends)
+    gen = plain_sampling(tok, sampling.temperature, sampling.max_new_tokens, **ends)
     active = list(range(n))
     model.eval()
     while active:
@@ -201,14 +260,13 @@ def sample_episodes(model, tok, prompt_texts: list, envs: list, k: int, max_new_
                 policy_mask[i] += [0] * len(reply)           # the environment's: never trained on
                 still.append(i)
         active = still
-    width = max(map(len, ids))
-    completion_ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in ids], device=device)
-    mask = torch.tensor([m + [0] * (width - len(m)) for m in policy_mask], device=device)
-    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids], device=device)
+    completion_ids = pad(ids, tok.pad_token_id, device=device)                 # (N, C)
+    mask = pad(policy_mask, 0, device=device)                                  # (N, C)
+    attn = pad([[1] * len(r) for r in ids], 0, device=device)                  # (N, C)
     p_ids, p_attn = left_pad(prompts, tok.pad_token_id, device)
     texts = [tok.decode(r, skip_special_tokens=True).strip() for r in ids]
     batch = Rollout(p_ids, p_attn, completion_ids, mask, None, None, texts, completion_attn=attn)
-    return score_logprobs(batch, model, temperature, ref_model, value_head, old_logp, chunk), infos, turns
+    return score_logprobs(batch, models, sampling, record_old_logp), infos, turns
 
 
 def turn_tokens(generated: list, tok, stops, stop_strings) -> list:

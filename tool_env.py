@@ -111,8 +111,6 @@ class ToolEnv:
     def __init__(self, max_turns: int = 3, benchmarks=tuple(KNOWLEDGE_BASE)):
         self.max_turns, self.benchmarks = max_turns, benchmarks
         self.benchmark, self.kb, self.turn, self.done = None, {}, 0, True
-        self.counts = {kind: 0 for kind in FAILURES}    # failures per kind since the last reset_counts
-        self.counts.update(tool_calls=0, tool_successes=0)
 
     def reset(self, seed: int | None = None) -> str:
         rng = random.Random(seed)
@@ -127,9 +125,6 @@ class ToolEnv:
     def solution(self) -> tuple[str, str]:
         """(setting, value): the episode's correct answer."""
         return self.kb[self.benchmark]
-
-    def reset_counts(self) -> None:
-        self.counts = {k: 0 for k in self.counts}
 
     def step(self, text: str) -> tuple[str, bool, dict]:
         """One policy turn -> (observation to append, episode done, info)."""
@@ -152,13 +147,11 @@ class ToolEnv:
         elif tag_body(text, "tool_call") is not None:
             failure, name, args = parse_call(text)
             info.update(failure=failure, tool=name)
-            self.counts["tool_calls"] += 1
             if failure is None:
                 result = run_tool(name, args, self.kb)
                 if result:
                     info.update(tool_success=True, process_reward=0.1,
                                 correct_call=self._relevant(name, args))
-                    self.counts["tool_successes"] += 1
                     observation = f"<tool_response> {result} </tool_response>"
                 else:
                     info["failure"] = "empty_result"
@@ -167,13 +160,10 @@ class ToolEnv:
                 observation = f"<tool_response> error : {info['failure']} </tool_response>"
         else:
             info["failure"] = "no_action"
-        if info["failure"]:
-            self.counts[info["failure"]] += 1
         if not self.done and self.turn >= self.max_turns:
             self.done = True
             if info["failure"] is None:       # the last turn itself went fine: the limit failed
                 info["failure"] = "turn_limit"
-                self.counts["turn_limit"] += 1
         return observation, self.done, info
 
     def _relevant(self, name: str, args: dict) -> bool:

@@ -11,8 +11,7 @@ right). In WARMSTART_MIX below a quarter of the demonstrations look the answer u
 it (a few guesses are right by chance): the format is learned, and tools are called some of
 the time, imperfectly.
 
-The same interface as workflow_task.py: prompts, sample, rates, describe, warmstart_batch,
-vocabulary, fingerprint, HEADLINE, FORMAT_KEY.
+The same interface as workflow_task.py: tasks.Task.
 """
 import json
 import random
@@ -128,27 +127,28 @@ def prompts(split: str) -> list[dict]:
 
 # ---- rollouts and their scores (train.py) ----
 
-def episode_reward(episode: list, turns: list, c) -> float:
-    if c.reward == "sparse":
+def episode_reward(episode: list, turns: list, sampling) -> float:
+    """The episode's reward under --reward (sampling: tasks.Sampling)."""
+    if sampling.reward == "sparse":
         return rewards.sparse_reward(episode)
-    if c.reward == "format":
+    if sampling.reward == "format":
         return rewards.format_reward(episode, turns)
-    return rewards.shaped_reward(episode, process=not c.drop_process_reward, clip=c.reward_clip or None)
+    return rewards.shaped_reward(episode, process=sampling.process_reward, clip=sampling.reward_clip)
 
 
-def sample(model, tok, prompts: list, k: int, c, ref_model=None, value_head=None, old_logp=True):
+def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True):
     """K episodes per prompt (each of the K against its own ToolEnv with the prompt's seed),
-    scored by --reward: (Rollout with rewards (N,), outcomes: (infos, turns) per episode)."""
+    scored by --reward: (Rollout with rewards (N,), outcomes: (infos, turns) per episode).
+    models: rollout.Models; sampling: tasks.Sampling."""
     envs = []
     for p in prompts:
         for _ in range(k):
-            envs.append(ToolEnv(max_turns=c.max_turns))
+            envs.append(ToolEnv(max_turns=sampling.max_turns))
             envs[-1].reset(seed=p["seed"])
-    texts = [policy.format_prompt(tok, p["text"], SYSTEM_PROMPT) for p in prompts]
-    batch, infos, turns = rollout.sample_episodes(model, tok, texts, envs, k, c.max_new_tokens,
-                                                  c.temperature, STOP_STRINGS, ref_model, value_head,
-                                                  old_logp, c.micro_batch or None)
-    batch.rewards = torch.tensor([episode_reward(e, t, c) for e, t in zip(infos, turns)])  # (N,)
+    texts = [policy.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
+    batch, infos, turns = rollout.sample_episodes(models, texts, envs, k, sampling, STOP_STRINGS,
+                                                  record_old_logp)
+    batch.rewards = torch.tensor([episode_reward(e, t, sampling) for e, t in zip(infos, turns)])  # (N,)
     return batch, list(zip(infos, turns))
 
 

@@ -14,9 +14,7 @@ The warm-start mix imitates report 001's starting point (570 outputs: 57.2% vali
 share we give the best workflow probability BEST_SHARE_OF_VALID; the report does not say
 how often the 0.2-or-1.0 patterns were right, so that number is our choice.
 
-The task's interface to train.py and policy.py (tool_task.py has the same one):
-prompts(split), sample(...) -> (Rollout with rewards, outcomes), rates(outcomes),
-describe(...), warmstart_batch(rng, n), vocabulary(), fingerprint(), HEADLINE, FORMAT_KEY.
+The task's interface to train.py and policy.py is tasks.Task (tool_task.py has it too).
 """
 import random
 
@@ -134,11 +132,11 @@ def fingerprint() -> dict:
 
 # ---- rollouts and their scores (train.py) ----
 
-def sample(model, tok, prompts: list, k: int, c, ref_model=None, value_head=None, old_logp=True):
-    """K completions per prompt, scored: (Rollout with rewards (N,), classes)."""
-    texts = [policy.format_prompt(tok, p["text"], SYSTEM_PROMPT) for p in prompts]
-    batch = rollout.sample(model, tok, texts, k, c.max_new_tokens, c.temperature, ref_model,
-                           value_head, old_logp, c.micro_batch or None, c.compile)
+def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True):
+    """K completions per prompt, scored: (Rollout with rewards (N,), classes).
+    models: rollout.Models; sampling: tasks.Sampling."""
+    texts = [policy.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
+    batch = rollout.sample(models, texts, k, sampling, record_old_logp)
     bests = [p["best"] for p in prompts for _ in range(k)]
     classes = [rewards.classify(t, b) for t, b in zip(batch.texts, bests)]
     batch.rewards = torch.tensor([rewards.DSL_REWARD[cl] for cl in classes])     # (N,)

@@ -8,7 +8,8 @@ import torch
 import config
 import ppo
 import train
-from test_grpo import synthetic_batch, tiny_model
+from conftest import synthetic_batch, tiny_model
+from grpo import HyperParams
 
 
 def test_clipped_value_loss_against_hand_arithmetic():
@@ -76,7 +77,7 @@ def test_prepare_with_gamma_lambda_one_targets_the_outcome_reward():
     batch.ref_logp = None
     batch.rewards = torch.tensor([1.0, 0.2, 0.0, 1.0, 0.0, 0.2, 1.0, 0.0])
     batch.old_values = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
-    ppo.prepare(batch, beta=0.0, kl_estimator="k3", kl_in_reward=True, gamma=1.0, lam=1.0)
+    ppo.prepare(batch, HyperParams(mini_batch=8, micro_batch=8, kl_in_reward=True, gamma=1.0, lam=1.0))
     m = batch.completion_mask.bool()
     torch.testing.assert_close(batch.returns[m], batch.rewards[:, None].expand(8, 6)[m])
     a = batch.advantages[m]
@@ -90,13 +91,11 @@ def run_update(micro, epochs=1, target_kl=0.0):
     batch = synthetic_batch(model)
     batch.rewards = torch.tensor([1.0, 0.2, 0.0, 1.0, 0.0, 0.2, 1.0, 0.0])
     batch.old_values = torch.zeros(8, 6)
-    ppo.prepare(batch, beta=0.1, kl_estimator="k3", kl_in_reward=True, gamma=1.0, lam=0.95)
+    hp = HyperParams(mini_batch=8, micro_batch=micro, algo="ppo", kl_in_reward=True, beta=0.1,
+                     entropy_coef=0.01, max_len=6, epochs=epochs, target_kl=target_kl)
+    ppo.prepare(batch, hp)
     opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=0.0)
-    stats = ppo.update(model, head, opt, batch, epochs=epochs, mini_batch=8, micro_batch=micro,
-                       clip_eps=0.2, clip_eps_high=0.2, value_clip=0.2, vf_coef=0.5, beta=0.1,
-                       kl_estimator="k3", kl_in_loss=False, entropy_coef=0.01, agg="token-mean",
-                       max_len=6, max_grad_norm=float("inf"), temperature=1.0, seed=0,
-                       target_kl=target_kl)
+    stats = ppo.update(model, head, opt, batch, hp)
     grads = torch.cat([p.grad.flatten() for p in list(model.parameters()) + list(head.parameters())])
     return stats, grads
 

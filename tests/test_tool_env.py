@@ -68,7 +68,6 @@ def test_each_failure_is_a_named_kind_never_an_exception(text, kind):
     env = fresh()
     _, _, info = env.step(text)
     assert info["failure"] == kind
-    assert env.counts[kind] == 1
 
 
 def test_turn_limit_ends_the_episode():
@@ -103,13 +102,6 @@ def test_repeating_a_good_call_earns_nothing_more():
     assert rewards.shaped_reward(ep, process=False) == pytest.approx(0.5 + 0.1)
 
 
-def test_report_003_composite_reward():
-    assert rewards.report_003_reward(1.0, 0.5, 0.9) == pytest.approx(2.0 + 0.5)
-    assert rewards.report_003_reward(0.0, 0.5, 0.9) == pytest.approx(0.5 + 0.09)
-    with pytest.raises(ValueError, match="differ"):
-        rewards.weighted_sum({"a": 1.0}, {"b": 1.0})
-
-
 # ---- 10,000 hostile strings ----
 
 def hostile_strings(n, seed=0):
@@ -140,12 +132,13 @@ def test_ten_thousand_hostile_strings_get_typed_outcomes_and_finite_rewards(monk
         monkeypatch.setattr(mod, name, lambda *a, _n=name, **k: ran.append(_n))
     monkeypatch.chdir(tmp_path)
     env = ToolEnv(max_turns=3)
-    episode, texts, n_episodes = [], [], 0
+    episode, texts, n_episodes, failures = [], [], 0, 0
     env.reset(seed=0)
     for i, text in enumerate(hostile_strings(10_000)):
         obs, done, info = env.step(text)
         assert isinstance(obs, str) and isinstance(done, bool)
         assert info["failure"] in tool_env.FAILURES or info["failure"] is None
+        failures += info["failure"] is not None
         episode.append(info)
         texts.append(text)
         if done:
@@ -160,7 +153,7 @@ def test_ten_thousand_hostile_strings_get_typed_outcomes_and_finite_rewards(monk
             env.reset(seed=i)
     assert ran == [] and not (tmp_path / "PWNED").exists()      # nothing was ever executed
     assert n_episodes > 3000
-    assert sum(env.counts[k] for k in tool_env.FAILURES) > 0
+    assert failures > 0
 
 
 def test_parsers_are_linear_on_a_million_hostile_characters():

@@ -8,11 +8,14 @@ from transformers import Qwen2ForCausalLM
 
 import config
 import grpo
+import logprobs
 import policy
 import ppo
 import rollout
+import tasks
 import tool_task
 import train
+from logprobs import Tokens
 from tool_env import STOP_STRINGS, ToolEnv
 
 
@@ -47,8 +50,8 @@ def test_environment_tokens_get_mask_zero_and_attention_one(tiny, monkeypatch):
     envs = [ToolEnv() for _ in range(2)]
     for e in envs:
         e.reset(seed=5)
-    batch, infos, turns = rollout.sample_episodes(model, tok, [env.reset(seed=5)], envs, 2, 24,
-                                                  1.0, STOP_STRINGS)
+    batch, infos, turns = rollout.sample_episodes(rollout.Models(model, tok), [env.reset(seed=5)], envs, 2,
+                                                  tasks.Sampling(), STOP_STRINGS)
     assert turns[0] == [call, answer] and infos[0][-1]["correct"]
     words = batch.texts[0].split()
     start, end = words.index("<tool_response>"), words.index("</tool_response>")
@@ -78,7 +81,7 @@ def test_masked_environment_tokens_do_not_move_the_loss(tiny):
     mask = torch.ones_like(ids)
     mask[0, -5:] = 0
     prompt = torch.tensor([tok("Use the tools", add_special_tokens=False)["input_ids"]])
-    logp, _ = grpo.completion_logprobs(model, prompt, torch.ones_like(prompt), ids, torch.ones_like(ids))
+    logp, _ = logprobs.completion_logprobs(model, Tokens(prompt, torch.ones_like(prompt), ids, torch.ones_like(ids)))
     surrogate = lambda old: grpo.aggregate(-grpo.clipped_surrogate(logp, old, torch.tensor([1.0]), 0.2, 0.2)[0],
                                            mask, "token-mean", 1, int(mask.sum()), 24)
     old = logp.detach().clone()
@@ -163,7 +166,7 @@ def test_ppo_runs_the_tool_task_with_the_reward_on_each_episode_s_last_policy_to
     # The same warm start's own multi-turn rollouts: the reward sits on each row's last policy token.
     model, tok = train.load(c, tool_task, "cpu", lambda s: None)
     torch.manual_seed(0)
-    batch, _ = tool_task.sample(model, tok, tool_task.prompts("train")[:2], 4, c)
+    batch, _ = tool_task.sample(rollout.Models(model, tok), tool_task.prompts("train")[:2], 4, config.sampling(c))
     m = batch.completion_mask
     turns = ((m[:, 1:] == 1) & (m[:, :-1] == 0)).sum(1) + m[:, 0]            # runs of 1s per row
     assert (turns > 1).any()                                                  # multi-turn rows exist

@@ -8,17 +8,11 @@ import grpo
 import policy
 import train
 import workflow_task
+from conftest import quick
 
 REQUIRED = ["step", "reward_mean", "reward_std", "valid_rate", "best_rate", "fallback_rate",
             "frac_zero_std_groups", "adv_abs_mean", "frac_adv_pm1", "loss", "kl", "entropy",
             "grad_norm", "clip_frac", "lr", "updated", "collapsed_after_update", "seconds"]
-
-
-def quick(tmp_path, name, *extra):
-    """A few steps with a small warm-up, cached in tmp_path."""
-    return ["--steps", "3", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
-            "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
 
 
 def read(path):
@@ -53,7 +47,8 @@ def test_same_seed_gives_identical_metrics(tmp_path):
 
 def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     # Any local causal LM folder works; here, the tiny model saved the way users save theirs.
-    model, tok = policy.tiny_policy(workflow_task, 16, 1, 10, 3e-3, 16, 0, tmp_path / "cache", log=lambda s: None)
+    model, tok = policy.tiny_policy(workflow_task, 16, 1, policy.WarmStart(10, 3e-3, 16, 0), tmp_path / "cache",
+                                    log=lambda s: None)
     model.save_pretrained(tmp_path / "local")
     tok.save_pretrained(tmp_path / "local")
     summary = train.train(config.parse_config(quick(tmp_path, "local_run", "--model", str(tmp_path / "local"))))
@@ -82,6 +77,16 @@ def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     (["--task", "tools", "--reward", "bogus"], "--reward"),
     (["--task", "chess"], "--task"),
     (["--compile", "--device", "cpu"], "--compile"),
+    # non-finite and out-of-range numbers
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--clip-eps", "nan"], "--clip-eps"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm"),
+    (["--seed", str(2 ** 40)], "--seed"),
+    (["--seed", "-1"], "--seed"),
+    (["--sft-lr", "nan"], "--sft-lr"),
+    (["--sft-lr", "-5"], "--sft-lr"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -121,14 +126,12 @@ def test_fast_path_takes_the_same_first_step(tmp_path, algo):
 def test_one_non_finite_mini_batch_of_four_still_counts_as_an_update(tmp_path, monkeypatch):
     """N=8, --mini-batch 2, one mini-batch NaN: three optimizer steps moved the weights, so the
     step updated (and crash rate and collapsed_after_update count it)."""
-    real = grpo.optimize
+    real = grpo.prepare
 
-    def poisoned(params, optimizer, mask, loss_fn, **kw):
-        def bad(idx, seqs, tokens):
-            loss, sums = loss_fn(idx, seqs, tokens)
-            return (loss * float("nan") if 0 in idx.tolist() else loss), sums
-        return real(params, optimizer, mask, bad, **kw)
-    monkeypatch.setattr(grpo, "optimize", poisoned)
+    def poisoned(batch, hp):                       # row 0's advantage NaN: its mini-batch's loss too
+        real(batch, hp)
+        batch.advantages[0] = float("nan")
+    monkeypatch.setattr(grpo, "prepare", poisoned)
     argv = ["--steps", "1", "--batch", "2", "--k", "4", "--mini-batch", "2", "--kl-coef", "0.05",
             "--eval-samples", "1",
             "--sft-steps", "20", "--hidden", "16", "--layers", "1", "--quiet",

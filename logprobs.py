@@ -1,0 +1,151 @@
+"""Log-probabilities of completions under a causal LM: what rollouts record and updates recompute.
+
+Shapes: n sequences, P prompt tokens, C completion tokens, V vocabulary, H hidden size.
+Prompts are left-padded, completions right-padded (rollout.py).
+
+    log p(x_t) = logit_{x_t} - logsumexp(logits_t)          (token_logprobs)
+    H_t        = logsumexp(z_t) - sum_v softmax(z_t)_v z_v   (token_entropy)
+
+rollout.py calls completion_logprobs to record old and reference log-probs, grpo.py and
+ppo.py call it again in the update; one function, so the ratio compares like with like. It
+runs the head in float32 with the model's own logit post-processing (head_logits), checked
+against the model's forward when a model is loaded (check_logprobs).
+"""
+from typing import NamedTuple
+
+import torch
+
+
+class Tokens(NamedTuple):
+    """The four tensors one forward over prompt + completion needs."""
+    prompt_ids: torch.Tensor        # (n, P) left-padded
+    prompt_mask: torch.Tensor       # (n, P) 1 on real prompt tokens
+    completion_ids: torch.Tensor    # (n, C) right-padded
+    attention: torch.Tensor         # (n, C) 1 on every real completion token (policy's or not)
+
+
+# ---- log-probabilities ----
+
+# Rows of logits handled at once: with a large vocabulary (Qwen's 151,936) the (n, C, V)
+# float32 logits of a whole batch are gigabytes, so the head and the log-softmax run on a
+# few rows at a time. A small vocabulary fits in one chunk, and then nothing changes.
+# (`python bench.py logprobs` measures the memory this saves.)
+LOGITS_CHUNK_ELEMENTS = 2 ** 27
+
+
+def rows_per_chunk(c_len: int, vocab: int) -> int:
+    return max(1, LOGITS_CHUNK_ELEMENTS // max(1, c_len * vocab))
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[ids] in float32 without materialising the (n, C, V) log-softmax.
+
+    logits: (n, C, V), any float dtype; ids: (n, C) -> (n, C) float32.
+    log p(x) = logit_x - logsumexp(logits): one gather and one reduction, over a few rows
+    at a time, so the extra memory is one chunk of rows, not another (n, C, V) tensor.
+    """
+    step = rows_per_chunk(logits.shape[1], logits.shape[2])
+    out = []
+    for i in range(0, len(logits), step):
+        chunk = logits[i:i + step].float()                                  # (rows, C, V)
+        picked = chunk.gather(-1, ids[i:i + step].unsqueeze(-1)).squeeze(-1)  # (rows, C)
+        out.append(picked - torch.logsumexp(chunk, dim=-1))                 # (rows, C)
+    return torch.cat(out)                                                   # (n, C)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) - sum_v softmax(z)_v z_v, per position. (n, C, V) -> (n, C)."""
+    p = torch.softmax(logits, dim=-1)                              # (n, C, V)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)  # (n, C)
+
+
+def head_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """The model's logits from last hidden states h (rows, C, H), in float32: the LM head with
+    autocast switched off (a bf16 head rounds every logit, and the log-probs with them; the
+    weights are float32, train.load's choice), then what the model's own forward does to its
+    logits after the head:
+
+        Gemma 2/3   final_logit_softcapping c:  logits = c * tanh(logits / c)
+        Cohere      logit_scale s:              logits = s * logits
+        Granite     logits_scaling d:           logits = logits / d
+
+    A model that does something else is refused at load (`check_logprobs`)."""
+    head = model.get_output_embeddings()
+    with torch.autocast(device_type=h.device.type, enabled=False):     # the module itself, so its
+        logits = head(h.to(head.weight.dtype)).float()                  # hooks run; (rows, C, V)
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
+    if getattr(cfg, "logit_scale", None) is not None:
+        logits = logits * cfg.logit_scale
+    if getattr(cfg, "logits_scaling", None) is not None:
+        logits = logits / cfg.logits_scaling
+    return logits
+
+
+def probe_ids(model, rows: int, tokens: int) -> torch.Tensor:
+    """(rows, tokens) random token ids, the same every call, on the model's device."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    return ids.to(next(model.parameters()).device)
+
+
+@torch.no_grad()
+def check_logprobs(model, tokens: int = 12) -> float:
+    """Largest |difference| between completion_logprobs and log-softmax of the model's own
+    forward logits, on random tokens: ~1e-6 when head_logits reproduces the model. (Both
+    forwards see the same mode; from_pretrained hands back a model in eval mode.)"""
+    ids = probe_ids(model, 2, tokens)                                               # (2, T)
+    attn, half = torch.ones_like(ids), tokens // 2
+    ours, _ = completion_logprobs(model, Tokens(ids[:, :half], attn[:, :half], ids[:, half:], attn[:, half:]))
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, half - 1:-1].float()  # (2, T-half, V)
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, half:, None]).squeeze(-1)
+    return (ours - ref).abs().max().item()
+
+
+@torch.no_grad()
+def forward_is_finite(model, tokens: int = 8) -> bool:
+    """Whether the model's logits are finite on a few random tokens, in eval mode as sampling
+    runs (train.py checks this before it writes a checkpoint)."""
+    was_training = model.training
+    model.eval()
+    finite = bool(torch.isfinite(model(input_ids=probe_ids(model, 1, tokens)).logits).all())
+    model.train(was_training)
+    return finite
+
+
+def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_entropy: bool = False,
+                        entropy_grad: bool = False, return_hidden: bool = False):
+    """Per-token log-probs of the completion under the model: (n, C); entropy (n, C) or None;
+    and, with return_hidden, the last hidden states that predict each token (n, C, H).
+
+    tokens: prompt_ids (n, P) left-padded, completion_ids (n, C) right-padded. Positions are
+    counted from the first real token, as `generate` counts them, so left padding does not
+    shift them. Only the C + 1 last positions go through the LM head (never all P + C).
+    Logits are divided by the sampling temperature: the ratio compares the distribution
+    the samples were actually drawn from. The entropy carries a gradient only when
+    entropy_grad (an entropy bonus); as a metric it stays out of the graph. The head (in
+    float32, with the model's own logit post-processing: `head_logits`) and the log-softmax
+    run on LOGITS_CHUNK_ELEMENTS-sized groups of rows.
+    """
+    completion_ids = tokens.completion_ids                                  # (n, C)
+    ids = torch.cat([tokens.prompt_ids, completion_ids], dim=1)             # (n, P+C)
+    attn = torch.cat([tokens.prompt_mask, tokens.attention], dim=1)         # (n, P+C)
+    positions = (attn.cumsum(-1) - 1).clamp_min(0)                          # (n, P+C)
+    c_len = completion_ids.shape[1]
+    h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                         use_cache=False).last_hidden_state[:, -(c_len + 1):]  # (n, C+1, H)
+    # hidden state j predicts token j+1: the last C+1 positions predict the C completion
+    # tokens (and one token past the end, dropped).
+    step = rows_per_chunk(c_len, model.get_output_embeddings().weight.shape[0])
+    logps, entropies = [], []
+    for i in range(0, len(ids), step):
+        logits = head_logits(model, h[i:i + step, :-1]) / temperature       # (rows, C, V) float32
+        logps.append(token_logprobs(logits, completion_ids[i:i + step]))    # (rows, C)
+        if with_entropy:
+            entropies.append(token_entropy(logits if entropy_grad else logits.detach()))
+    logp = torch.cat(logps)                                                 # (n, C)
+    entropy = torch.cat(entropies) if with_entropy else None                # (n, C)
+    if return_hidden:
+        return logp, entropy, h[:, :-1]                                     # (n, C, H)
+    return logp, entropy

@@ -1,0 +1,176 @@
+"""What a run reports: one line of metrics.jsonl per step, the progress line, summary.json.
+
+Metrics, one JSON object per step (N = B*K rollouts of that step):
+    reward_mean, reward_std   mean and population std of the N rewards
+    best_rate, valid_rate     DSL task: share of rollouts that are the best workflow / any
+                              valid DSL (valid_rate counts best ones too)
+    fallback_rate, junk_rate  DSL task: share of `### Step` text / of anything else off-format
+    accuracy, answer_rate, tool_calls, tool_success_rate, wellformed_rate, turns,
+    failure/<kind>            tools task: see tool_task.rates
+    frac_adv_negative         share of rollouts with a negative advantage (report 000's
+                              explanation of the sparse reward's failure); a PPO rollout's
+                              advantage is the mean over its policy tokens
+    frac_zero_std_groups      share of prompts whose K rewards are all equal (no signal)
+    adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark),
+                              over the advantages the loss uses: one per rollout (GRPO), one
+                              per policy token (PPO)
+    loss, entropy, clip_frac, approx_kl, grad_norm   from the update (null when none was
+                              taken): token means over the last epoch; approx_kl =
+                              E[(ratio - 1) - log ratio]; loss and grad_norm are means over
+                              the last epoch's mini-batches, grad_norm before clipping
+    steps_taken               optimizer steps applied this step (epochs x mini-batches,
+                              minus skipped ones)
+    epochs_run                epochs actually run (fewer when --target-kl stopped them)
+    value_loss, explained_variance   PPO: the critic's loss and 1 - Var(G - V) / Var(G)
+                              on the rollouts (undefined, and wild, when every return is equal)
+    kl, kl_coef               token-mean k3 estimate of KL(policy || reference) on the step's
+                              rollouts, before the update (null without a reference); the
+                              beta used this step (kl.py moves it from kl)
+    ref_kl                    the same KL measured in the update's forward (its last epoch);
+                              with --fast and one update per batch it is the `kl` above
+    lr, entropy_coef          the step's learning rate and entropy bonus (schedules.py)
+    updated                   steps_taken > 0: false when every advantage is 0
+                              (nothing to learn, and AdamW's momentum would still move the
+                              weights), when --skip-all-fallback fires, or when the step was
+                              non-finite
+    skipped_nonfinite, nonfinite   optimizer steps not taken because a quantity was NaN/inf,
+                              and which ("loss", "grad_norm", "reward", or "logits": nothing
+                              could be sampled)
+    nonfinite_logged          the keys of this line whose NaN/inf value was written as null
+    nonfinite_rewards         rewards that were NaN/inf (left out of reward_mean/std)
+    alerts                    the stability monitor's active alerts (monitor.py)
+    collapsed_after_update    the previous step updated, its on-format rate (valid_rate;
+                              wellformed_rate for tools) was > 0, and this step's is at most
+                              half of it (report 001: "50% -> 0% right after the update").
+                              crash_rate = collapses / updates. A frozen policy raises it
+                              too, by binomial noise: summary.json's crash_floor is the rate
+                              it would show at the run's own on-format rates (monitor.py).
+    eval_<rate>, eval_reward_mean   each rate above, on held-out prompts, at step 0 (a line
+                              of its own) and every --eval-every steps: one sample at the
+                              training temperature for each of --eval-samples x 32 held-out
+                              prompts, drawn with a fixed seed so every evaluation sees the
+                              same noise
+    eval_value_rmse           PPO: RMSE of V(s_t) against the held-out returns
+    seconds                   wall time of the step
+
+summary.json (`finish`): the run's counts (steps, updates, collapses, crash_rate =
+collapses / updates, crash_floor, skipped_nonfinite, alert_episodes, failed_saves,
+lost_log_lines), why it stopped, eval_<headline>_start and eval_<rate>_end, and
+frac_adv_negative_mean over the run. compare.py and lab.py read these.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import advantages
+import checkpoint
+import kl
+import plots
+import ppo
+
+
+# ---- one line of metrics.jsonl ----
+
+def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
+    """The metrics of a step's rollouts, before the update: rewards, the task's rates, the
+    advantages (see above) and the KL to the reference. hp: grpo.HyperParams (k, beta, algo)."""
+    mask = batch.completion_mask                                                     # (N, C)
+    finite = torch.isfinite(batch.rewards)                                           # (N,)
+    adv = batch.advantages[mask.bool()] if batch.advantages.dim() == 2 else batch.advantages
+    r = batch.rewards[finite]
+    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, "k3") \
+        if batch.ref_logp is not None and batch.old_logp is not None else None   # (N, C)
+    row = dict(reward_mean=r.mean().item() if len(r) else None,
+               reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(outcomes),
+               nonfinite_rewards=int((~finite).sum()),
+               frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, hp.k),
+               adv_abs_mean=adv.abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(adv),
+               frac_adv_negative=(batch.sequence_advantages() < 0).float().mean().item(),
+               kl=(kl_t * mask).sum().item() / mask.sum().item() if kl_t is not None else None,
+               kl_coef=hp.beta)
+    if hp.algo == "ppo" and finite.all():
+        row["explained_variance"] = ppo.explained_variance(batch.old_values, batch.returns, mask)
+    return row
+
+
+def no_rollout(task) -> dict:
+    """The rollout metrics of a step whose sampling failed (non-finite logits)."""
+    return dict(reward_mean=None, kl=None, **{key: None for key in (*task.HEADLINE, task.FORMAT_KEY)})
+
+
+def no_update(*nonfinite) -> dict:
+    """The update statistics of a step without an update (nonfinite: why it was skipped)."""
+    return dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
+                steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
+
+
+def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:
+    """The first n rollouts of a step for samples.jsonl: prompt, text, outcome, reward and
+    advantage side by side, never one in place of the other."""
+    k = len(batch.texts) // len(prompts)
+    adv = batch.sequence_advantages()                                                # (N,)
+    return [dict(prompt=prompts[i // k]["text"], **task.describe(batch.texts[i], outcomes[i]),
+                 reward=batch.rewards[i].item(), advantage=adv[i].item())
+            for i in range(min(n, len(batch.texts)))]
+
+
+# ---- the terminal ----
+
+def progress(cfg, task, row: dict, last_eval: dict) -> None:
+    """On a terminal, one line rewritten in place; in a log, one line per evaluation."""
+    if cfg.quiet:
+        return
+    end = "\n" if (row["step"] % cfg.eval_every == 0 or row["step"] == cfg.steps) else "\r"
+    if end == "\n" or sys.stderr.isatty():
+        f = lambda x: "nan" if x is None else f"{x:.2f}"
+        key, second = task.HEADLINE
+        print(f"step {row['step']:4d}/{cfg.steps}  reward {f(row['reward_mean'])}  {second} {f(row[second])}  "
+              f"{key} {f(row[key])}  held-out {key} {f(last_eval['eval_' + key])}", end=end, file=sys.stderr)
+
+
+# ---- summary.json ----
+
+SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
+                "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
+                "ended_off_format", "frac_adv_negative_mean",
+                "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "out")
+
+
+def summary_keys(task) -> set:
+    """Every key summary.json can hold for a task (compare.py checks --columns against it)."""
+    return set(SUMMARY_KEYS) | {f"eval_{key}_end" for key in task.RATES} | \
+        {f"eval_{key}_start" for key in task.HEADLINE}
+
+
+def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
+    """Write summary.json and curves.png; log the one-line summary; return the summary.
+    state: train.RunState at the end (its seconds: the run's whole wall time, over every
+    resume; its stopped / interrupted: why it ended early, or None)."""
+    first, last = state.first_eval, state.last_eval
+    updates = state.updates
+    summary = dict(steps=state.step, updates=updates, collapses=state.collapses,
+                   crash_rate=state.collapses / updates if updates else 0.0,
+                   crash_floor=state.crash_floor / updates if updates else 0.0,
+                   skipped_nonfinite=state.skipped, alert_episodes=alert_episodes,
+                   stopped=state.stopped, interrupted=state.interrupted, failed_saves=state.failed_saves,
+                   lost_log_lines=state.lost_log_lines)
+    for key in task.HEADLINE:
+        summary[f"eval_{key}_start"] = first[f"eval_{key}"]
+    for key, v in last.items():                     # eval_<rate>_end for every held-out rate
+        summary[f"{key}_end"] = v
+    negative = [r["frac_adv_negative"] for r in plots.read_metrics(out) if "frac_adv_negative" in r]
+    summary.update(ended_off_format=last[f"eval_{task.FORMAT_KEY}"] < 0.5,
+                   frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,
+                   eval_value_rmse_end=last.get("eval_value_rmse"),
+                   seconds=round(state.seconds, 1), out=str(out))
+    summary, _ = checkpoint.finite_json(summary)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+    plots.plot_run(out)
+    headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
+                         for key in task.HEADLINE)
+    log(f"{'stopped' if state.stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "
+        f"rate {state.collapses}/{updates} (frozen-policy floor {summary['crash_floor']:.2f}); "
+        f"files in {out}/ (curves.png)")
+    return summary

@@ -1,0 +1,61 @@
+"""What a task is to the trainer: the interface written down once, and the two tasks that have it.
+
+A task is a module: workflow_task.py (report 001's workflow DSL) and tool_task.py (report
+000's multi-turn tool calling). train.py and policy.py use a task only through the names
+of `Task` below, so a new task is a module with these names, added to TASKS.
+
+`Sampling` is the part of the run's configuration a task reads (config.sampling builds it
+from the flags): how to sample, and, for the tools task, how to score an episode.
+"""
+from dataclasses import dataclass
+from typing import Protocol
+
+import tool_task
+import workflow_task
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0         # sample from softmax(logits / T); log-probs of that
+    max_new_tokens: int = 24         # longest completion (tools task: each turn)
+    forward_batch: int | None = None  # sequences per scoring forward (--micro-batch); None = all
+    static_cache: bool = False       # --compile: a static KV cache (CUDA)
+    max_turns: int = 3               # tools task: policy turns per episode
+    reward: str = "shaped"           # tools task: sparse | shaped | format
+    reward_clip: float | None = None  # tools task: clamp the shaped reward to [-c, c]
+    process_reward: bool = True      # tools task: the tool's process reward counted
+
+
+class Task(Protocol):
+    """The names a task module defines (module attributes satisfy a Protocol)."""
+    NAME: str                        # --task
+    SYSTEM_PROMPT: str               # for a chat template (a real model, --model)
+    MAX_POSITIONS: int               # the tiny model's context
+    HEADLINE: tuple                  # the two rates the progress line and summary show
+    FORMAT_KEY: str                  # the on-format rate: a collapse halves it
+    RATES: tuple                     # every key of rates()
+    ENDS_WITH_EOS: bool              # a completion ends with the EOS token (warm start adds it)
+
+    def prompts(self, split: str) -> list[dict]:
+        """'train' or 'eval' prompts: dicts with at least 'text'."""
+
+    def sample(self, models, prompts: list, k: int, sampling: Sampling, record_old_logp: bool = True):
+        """K rollouts per prompt, scored: (rollout.Rollout with rewards (N,), outcomes)."""
+
+    def rates(self, outcomes: list) -> dict:
+        """The task's rates over outcomes: every key of RATES."""
+
+    def describe(self, text: str, outcome) -> dict:
+        """One rollout for samples.jsonl."""
+
+    def warmstart_batch(self, rng, n: int) -> list[list[tuple[str, bool]]]:
+        """n supervised examples as (text, trained) segments, the prompt first."""
+
+    def vocabulary(self) -> list[str]:
+        """Every word the task can produce (the tiny word-level tokenizer)."""
+
+    def fingerprint(self) -> dict:
+        """Everything that shapes the warm start besides the policy's settings (its cache key)."""
+
+
+TASKS: dict[str, Task] = {t.NAME: t for t in (workflow_task, tool_task)}

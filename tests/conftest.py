@@ -1,0 +1,48 @@
+"""What the tests share: the flat top-level modules on the path, a tiny model, a synthetic
+batch of rollouts, and the flags of a run of a few seconds. Test files import the helpers
+(`from conftest import tiny_model`); pytest loads this file first."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+import logprobs  # noqa: E402  (after the path)
+import policy  # noqa: E402
+from rollout import Rollout, completion_mask  # noqa: E402
+
+
+def tiny_model(seed: int = 0):
+    """A 1-layer Qwen2 over 20 tokens (pad 0, EOS 1), random weights from seed."""
+    from transformers import Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    tok = policy.build_tokenizer([f"w{i}" for i in range(17)])
+    return Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, 32, num_attention_heads=2, num_key_value_heads=1))
+
+
+def synthetic_batch(model, n=8, p_len=4, c_len=6, eos=1, seed=0) -> Rollout:
+    """n rollouts of random tokens: half the prompts left-padded, some completions ended by
+    EOS; old log-probs near the model's, a reference 0.1 below them, random advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(2, 20, (n, p_len), generator=gen)
+    prompt_mask = torch.ones(n, p_len, dtype=torch.long)
+    prompt_mask[: n // 2, :2] = 0                                 # left padding on half the rows
+    prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, 0)
+    completion_ids = torch.randint(2, 20, (n, c_len), generator=gen)
+    completion_ids[::3, 3] = eos                                  # some rows end early
+    mask = completion_mask(completion_ids, eos)
+    batch = Rollout(prompt_ids, prompt_mask, completion_ids, mask, None, None, texts=[""] * n)
+    with torch.no_grad():
+        old, _ = logprobs.completion_logprobs(model, batch.tokens())
+    batch.advantages = torch.randn(n, generator=gen)
+    batch.old_logp = old + 0.05 * torch.randn(n, c_len, generator=gen)
+    batch.ref_logp = old - 0.1
+    return batch
+
+
+def quick(tmp_path, name, *extra):
+    """train.py flags for a few steps with a small warm-up, cached in tmp_path."""
+    return ["--steps", "3", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
+            "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
+            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
