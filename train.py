@@ -153,7 +153,7 @@ class RunState:
         saved = dict(saved)
         if saved.get("prev"):        # checkpoints written before RunState: prev = (updated, rate)
             saved["prev_updated"], saved["prev_on_format"] = saved["prev"]
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted"}   # this session's
         return cls(**{k: v for k, v in saved.items() if k in names})
 
     def count(self, step: int, stats: dict, on_format: float | None, n: int) -> bool:
@@ -305,7 +305,7 @@ def save(run: Run) -> Path | None:
     in the summary) when it cannot be written: a full disk ends that save, not the run."""
     state, models = run.state, run.learner.models
     snapshot = dataclasses.replace(state, monitor=run.stability.state_dict(), kl_control=run.kl_control.state_dict(),
-                                   value_head=models.value_head.state_dict() if models.value_head else None,
+                                   value_head=models.value_head.state_dict() if models.value_head is not None else None,
                                    seconds=state.seconds + time.time() - run.started)
     path = None
     if not logprobs.forward_is_finite(models.model):
