@@ -16,7 +16,7 @@ One PPO step, per token t of sequence i:
     A        = whiten(A)                                             (over the batch's tokens)
     L_policy = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)    (grpo.clipped_surrogate)
     L_value  = 1/2 max((V - G)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - G)^2)
-    loss     = L_policy + vf_coef * L_value - entropy_coef * H
+    loss     = L_policy + vf_coef * L_value - entropy_coef * H     (+ beta * kl_t with --kl-in loss)
 
 averaged by grpo.aggregate, in grpo.py's loop (epochs over shuffled mini-batches, CleanRL's
 early stop at --target-kl), which `update` below writes out with the value loss added.
