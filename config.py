@@ -24,6 +24,7 @@ import advantages
 import checkpoint
 import grpo
 import kl
+import pretrained
 import schedules
 import tasks
 
@@ -87,7 +88,8 @@ class Config:
     skip_all_fallback: bool = opt(False, "report 001's guard: no update when every sample is fallback text")
     # sampling
     temperature: float = opt(1.0, "sampling temperature for rollouts and evaluation")
-    max_new_tokens: int = opt(24, "longest completion")
+    max_new_tokens: int = opt(0, "longest completion (tools: each turn); 0 = 24, or 64 for a real model's "
+                              "tool turns (a tool call is ~40 of its tokens, 17 of the tiny model's)")
     # evaluation and output
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps")
     eval_samples: int = opt(4, "samples per held-out prompt at each evaluation")
@@ -109,11 +111,16 @@ class Config:
     stop_on_alert: bool = opt(False, "stop the run (with a checkpoint) at the monitor's first alert")
     # the policy
     device: str = opt("auto", "where to run", choices=("auto", "cpu", "cuda"))
-    model: str = opt("", "a local Hugging Face causal LM folder; default: the tiny model built in code")
+    bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU for a real model where "
+                    "bf16 is measured faster", choices=("auto", "on", "off"))
+    model: str = opt("", "a real model: smollm2-135m (fetched once), a local Hugging Face folder, or a hub id; "
+                     "default: the tiny model built in code")
+    model_cache: str = opt("", "where --model smollm2-135m is converted and cached; default $RL_LESSONS_CACHE, "
+                           "else ~/.cache/rl-lessons")
     hidden: int = opt(64, "tiny model: hidden size")
     layers: int = opt(2, "tiny model: transformer layers")
-    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = 300 for the tiny model, 0 for --model")
-    sft_lr: float = opt(3e-3, "warm-up learning rate")
+    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = the default (policy.WARM_START: 300 tiny, 30 real)")
+    sft_lr: float = opt(0.0, "warm-up learning rate; 0 = the default (3e-3 tiny, 1e-4 real)")
     sft_seed: int = opt(0, "warm-up seed (one warm start shared by all RL seeds)")
     cache_dir: str = opt(".cache/warmstart", "where warm-started weights are cached")
 
@@ -146,16 +153,21 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         kl_in_reward=cfg.kl_in_reward, gamma=cfg.gamma, lam=cfg.lam,
         clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, beta=cfg.beta,
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
-        max_len=cfg.max_new_tokens * (cfg.max_turns if cfg.task == "tools" else 1),
+        max_len=new_tokens(cfg) * (cfg.max_turns if cfg.task == "tools" else 1),
         temperature=cfg.temperature, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip,
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
         fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
         seed=cfg.seed)
 
 
+def new_tokens(cfg: Config) -> int:
+    """--max-new-tokens, 0 resolved: a real tokenizer spends more tokens on a tool call."""
+    return cfg.max_new_tokens or (64 if cfg.model and cfg.task == "tools" else 24)
+
+
 def sampling(cfg: Config) -> tasks.Sampling:
     """How the task samples and scores rollouts (training and evaluation alike)."""
-    return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+    return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=new_tokens(cfg),
                           forward_batch=cfg.micro_batch or None, static_cache=cfg.compile,
                           max_turns=cfg.max_turns, reward=cfg.reward, reward_clip=cfg.reward_clip or None,
                           process_reward=not cfg.drop_process_reward)
@@ -178,7 +190,7 @@ def validate(cfg: Config) -> Config:
              f"must be a finite number, got {value}")
     need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {cfg.seed}")
     need(0 <= cfg.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {cfg.sft_seed}")
-    need(cfg.sft_lr > 0, "sft-lr", f"must be > 0, got {cfg.sft_lr}")
+    need(cfg.sft_lr >= 0, "sft-lr", f"must be > 0 (or 0 = the default), got {cfg.sft_lr}")
     need(cfg.k >= 1, "k", f"must be >= 1, got {cfg.k}")
     need(cfg.norm not in advantages.GROUP_NORMS or cfg.k >= 2, "k",
          f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
@@ -218,7 +230,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.temperature > 0, "temperature", f"must be > 0, got {cfg.temperature}")
     need(cfg.max_turns >= 1, "max-turns", f"must be >= 1, got {cfg.max_turns}")
     need(cfg.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {cfg.reward_clip}")
-    need(cfg.max_new_tokens >= 1, "max-new-tokens", f"must be >= 1, got {cfg.max_new_tokens}")
+    need(cfg.max_new_tokens >= 0, "max-new-tokens", f"must be >= 1 (or 0 = the default), got {cfg.max_new_tokens}")
     need(cfg.eval_every >= 1, "eval-every", f"must be >= 1, got {cfg.eval_every}")
     need(cfg.eval_samples >= 1, "eval-samples", f"must be >= 1, got {cfg.eval_samples}")
     need(cfg.hidden >= 4 and cfg.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {cfg.hidden}")
@@ -234,11 +246,13 @@ def validate(cfg: Config) -> Config:
     need(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
     need(not cfg.compile or (cfg.device != "cpu" and torch.cuda.is_available()), "compile",
          "needs a GPU (--device auto or cuda, with CUDA visible)")
-    if cfg.model:
-        problem = model_folder_problem(Path(cfg.model))
+    if cfg.model in pretrained.NAMED:
+        cfg.model_cache = cfg.model_cache or str(pretrained.default_cache())
+        need(writable(Path(cfg.model_cache)), "model-cache", f"cannot create or write to the folder {cfg.model_cache!r}")
+    elif cfg.model:
+        problem = validate_model(cfg.model)
         need(not problem, "model", f"{cfg.model!r}: {problem}")
-    else:
-        need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
+    need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
     need(not (cfg.overwrite and cfg.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
     if not cfg.out:                      # the default name, with a fresh suffix if it holds a run
         base = default_out(cfg)
@@ -275,6 +289,19 @@ def writable(folder: Path) -> bool:
         return os.access(folder, os.W_OK)
     except OSError:
         return False
+
+
+def validate_model(name: str) -> str | None:
+    """Why --model name cannot be used, or None: a named model, a loadable folder, or
+    something of the form of a hub id (whether the hub has it is known only when asked)."""
+    if name in pretrained.NAMED:
+        return None
+    if Path(name).exists():
+        return model_folder_problem(Path(name))
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        return (f"not a named model ({', '.join(pretrained.NAMED)}), not a folder that exists, "
+                f"and not a hub id of the form org/name")
+    return None
 
 
 def model_folder_problem(path: Path) -> str | None:

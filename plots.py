@@ -119,8 +119,9 @@ def plot_run(run_dir: Path) -> Path:
     algo = cfg.get("algo", "grpo")
     norm = f"norm={cfg['norm']}  " if algo == "grpo" else ""
     task = f"tools ({cfg['reward']} reward)  " if tools else ""
+    model = f"{cfg.get('model') or 'tiny Qwen2'} on {cfg.get('ran_on', '?')}"
     fig.suptitle(f"{task}{algo.upper()}  K={cfg['k']}  B={cfg['batch']}  {norm}lr={cfg['lr']:g}  "
-                 f"seed={cfg['seed']}  ({len(steps)} steps)")
+                 f"seed={cfg['seed']}  ({len(steps)} steps)  {model}")
     fig.tight_layout()
     path = run_dir / "curves.png"
     fig.savefig(path, dpi=90)

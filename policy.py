@@ -7,9 +7,10 @@ DSL / 43% `### Step 1` fallback text; tool_task.py: tool calls that sometimes wo
 warm-started weights are cached under .cache/warmstart/, keyed by every setting that shapes
 them, so the second run starts at once.
 
-`--model PATH` loads any local Hugging Face causal LM and its tokenizer instead (never from
-a hub: local_files_only), wraps prompts in its chat template when it has one, and skips the
-warm-up unless --sft-steps asks for it.
+`--model` loads a real pretrained model instead (a folder that pretrained.py resolved: the
+named smollm2-135m, a local folder, a hub id), wraps prompts in its chat template, and
+warm-starts it on the same mix with its own defaults (WARM_START["real"]), cached the same way.
+bf16 autocast is used where it is measured faster (autocast_choice).
 
 `task` below is a task module (workflow_task or tool_task): its vocabulary, its warm-start
 examples, its system prompt.
@@ -18,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
 
 import logprobs
 import rollout
+from pretrained import ModelError
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -91,14 +94,22 @@ class WarmStart:
     seed: int = 0                    # the examples' draws and the tiny model's initial weights
 
 
+# The defaults, for the tiny model and for a real one. The tiny model starts from random
+# weights and needs many large steps. A real instruct model (SmolLM2-135M) already writes
+# text: 30 steps of 8 examples at lr 1e-4 take it from 100% prose to the reports' mixes
+# (measured: README, "A real model"); a larger lr overwrites what it knows.
+WARM_START = {"tiny": WarmStart(300, 3e-3, 64), "real": WarmStart(30, 1e-4, 8)}
+
+
 def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
     """Supervised fine-tuning on fresh draws from the report-shaped mix; returns losses."""
     rng = random.Random(warm.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=warm.lr)
+    device = next(model.parameters()).device
     losses = []
     model.train()
     for _ in range(warm.steps):
-        ids, mask, lab = sft_batch(task, tok, warm.batch, rng)
+        ids, mask, lab = (t.to(device) for t in sft_batch(task, tok, warm.batch, rng))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad()
         loss.backward()
@@ -112,25 +123,17 @@ def cache_key(settings: dict, task) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path, log=print):
-    """The tiny default policy for a task, warm-started, from the cache when it is there."""
-    tok = build_tokenizer(task.vocabulary())
-    settings = dict(hidden=hidden, layers=layers, sft_steps=warm.steps, sft_lr=warm.lr,
-                    sft_batch=warm.batch, seed=warm.seed)
-    path = Path(cache_dir) / cache_key(settings, task)
+def cached(path: Path, build, log=print):
+    """(model, tokenizer) from the cache folder path, or build() them and cache them there.
+
+    Written to a temporary folder of this process's own and renamed, so a crash never leaves
+    half a cache entry, and two runs warming up the same entry at once do not collide: the
+    first rename wins, the other run drops its copy and loads the winner's."""
     if (path / "config.json").exists():
         log(f"warm-start: loaded from cache {path}")
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tok
-    torch.manual_seed(warm.seed)
-    model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
-    t0 = time.time()
-    losses = warm_start(task, model, tok, warm)
-    size = f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters"
-    log(f"warm-start ({size}): {warm.steps} supervised steps in {time.time() - t0:.1f}s, "
-        f"loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else f"warm-start ({size}): 0 steps")
-    # Written to a temporary folder of this process's own and renamed, so a crash never
-    # leaves half a cache entry, and two runs warming up the same entry at once do not
-    # collide: the first rename wins, the other run drops its copy and loads the winner's.
+        return (AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32),
+                AutoTokenizer.from_pretrained(path, local_files_only=True))
+    model, tok = build()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -143,34 +146,75 @@ def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path
         if not (path / "config.json").exists():
             raise
         log(f"warm-start: another run cached the same warm start first; using {path}")
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True), tok
+        return cached(path, build, log)
     return model, tok
 
 
-# ---- a local Hugging Face model ----
+def log_warm_start(log, what: str, warm: WarmStart, losses: list, seconds: float) -> None:
+    log(f"warm-start ({what}): {warm.steps} supervised steps of {warm.batch} in {seconds:.1f}s, "
+        f"loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else f"warm-start ({what}): 0 steps")
 
-class ModelError(ValueError):
-    """A model folder this code cannot train correctly; train.py turns it into one line, exit 2."""
+
+def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path, log=print):
+    """The tiny default policy for a task, warm-started, from the cache when it is there."""
+    def build():
+        tok = build_tokenizer(task.vocabulary())
+        torch.manual_seed(warm.seed)
+        model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
+        t0 = time.time()
+        losses = warm_start(task, model, tok, warm)
+        log_warm_start(log, f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters",
+                       warm, losses, time.time() - t0)
+        return model, tok
+    settings = dict(hidden=hidden, layers=layers, sft_steps=warm.steps, sft_lr=warm.lr,
+                    sft_batch=warm.batch, seed=warm.seed)
+    model, _ = cached(Path(cache_dir) / cache_key(settings, task), build, log)
+    # the tokenizer built in code, not its saved copy: the same vocabulary, and no file format between
+    return model, build_tokenizer(task.vocabulary())
 
 
-def local_policy(task, path: str, warm: WarmStart, log=print):
-    """A local Hugging Face causal LM folder and its tokenizer, in float32, checked
-    (logprobs.check_logprobs), warm-started only when warm.steps > 0."""
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+# ---- a real (pretrained) Hugging Face model ----
+
+def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: str = "cpu", log=print):
+    """A Hugging Face causal-LM folder (pretrained.resolve) and its tokenizer, float32 weights
+    on device, checked (logprobs.check_logprobs), warm-started on the task's mix when
+    warm.steps > 0 and cached under cache_dir, keyed by the model and every warm-start setting."""
+    def load():
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        return model.to(device), tok
+
+    def build():
+        model, tok = load()
+        t0 = time.time()
+        losses = warm_start(task, model, prepare_tokenizer(tok), warm)
+        log_warm_start(log, f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} "
+                       f"parameters", warm, losses, time.time() - t0)
+        return model, tok
+    if warm.steps > 0:
+        identity = {"model": str(Path(folder).resolve()), "config": (Path(folder) / "config.json").read_text(),
+                    "files": sorted((f.name, f.stat().st_size) for f in Path(folder).iterdir())}
+        settings = dict(identity, sft_steps=warm.steps, sft_lr=warm.lr, sft_batch=warm.batch, seed=warm.seed)
+        model, tok = cached(Path(cache_dir) / cache_key(settings, task), build, log)
+        model = model.to(device)
+    else:
+        model, tok = load()
     error = logprobs.check_logprobs(model)
     if not error < 1e-3:
-        raise ModelError(f"--model: {path!r} ({type(model).__name__}) transforms its logits in a way "
+        raise ModelError(f"--model: {str(folder)!r} ({type(model).__name__}) transforms its logits in a way "
                          f"logprobs.head_logits does not reproduce (log-probs off by {error:.3g}); "
                          f"its ratios and KLs would be wrong, so it is refused")
+    return model, prepare_tokenizer(tok)
+
+
+def prepare_tokenizer(tok):
+    """Left padding for generation, and a pad token: pad may equal EOS (SmolLM2's is
+    <|im_end|>); completion masks come from the first sampled EOS, not from pad ids, so the
+    EOS the policy sampled stays in the loss (rollout.completion_mask)."""
     tok.padding_side = "left"
     if tok.pad_token is None:
-        # Pad may equal EOS here; completion masks come from the first EOS, not from pad ids.
         tok.pad_token = tok.eos_token
-    if warm.steps > 0:
-        losses = warm_start(task, model, tok, warm)
-        log(f"warm-start: {warm.steps} steps, loss {losses[0]:.2f} -> {losses[-1]:.2f}")
-    return model, tok
+    return tok
 
 
 def disable_dropout(model) -> int:
@@ -197,10 +241,47 @@ def disable_dropout(model) -> int:
     return on
 
 
+def natural(text: str) -> str:
+    """A task's word-level text as a person writes it: no space before punctuation or after an
+    opening parenthesis ('Problem ( code ) : fix a bug .' -> 'Problem (code): fix a bug.')."""
+    return re.sub(r"\( ", "(", re.sub(r" ([).,:;?!])", r"\1", text))
+
+
 def format_prompt(tok, text: str, system: str) -> str:
-    """The prompt as the model sees it: the chat template (with the task's system prompt)
-    when the tokenizer has one."""
+    """The prompt as the model sees it: for a tokenizer with a chat template (a real instruct
+    model), the text in natural spelling as the user's message after the task's system
+    prompt; for the tiny word-level tokenizer, the text as it is."""
     if getattr(tok, "chat_template", None):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": natural(text)}]
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text
+
+
+# ---- bf16 autocast: only where it is faster ----
+
+def bf16_matmul_is_faster(n: int = 512, repeats: int = 3) -> bool:
+    """Time one n x n matmul in bf16 and in float32 on this CPU. A CPU with bf16 instructions
+    (AMX, AVX512-BF16) runs bf16 about twice as fast; one without them emulates it, and then
+    bf16 is far slower (measured on this project's 2-core AMD EPYC, AVX2 only: 10 matmuls
+    of 1024 x 1024 took 0.16 s in float32 and 25 s in bf16, `python bench.py bf16`)."""
+    def best(dtype):
+        a = torch.randn(n, n).to(dtype)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    return best(torch.bfloat16) < best(torch.float32)
+
+
+def autocast_choice(choice: str, device: str, real_model: bool) -> bool:
+    """--bf16 auto|on|off -> whether to run forwards under bf16 autocast (weights stay
+    float32, log-probs are taken in float32: logprobs.head_logits). auto: always on a GPU;
+    on a CPU only for a real model (the tiny one's matrices are too small to gain, and its
+    lessons were recorded in float32) and only where a bf16 matmul is measured faster."""
+    if choice != "auto":
+        return choice == "on"
+    if device == "cuda":
+        return True
+    return real_model and bf16_matmul_is_faster()

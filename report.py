@@ -59,6 +59,7 @@ lost_log_lines), why it stopped, eval_<headline>_start and eval_<rate>_end, and
 frac_adv_negative_mean over the run. compare.py and lab.py read these.
 """
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def progress(cfg, task, row: dict, last_eval: dict) -> None:
 SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
                 "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
                 "ended_off_format", "frac_adv_negative_mean",
-                "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "out")
+                "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "peak_memory_mb", "out")
 
 
 def summary_keys(task) -> set:
@@ -164,13 +165,21 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
     summary.update(ended_off_format=last[f"eval_{task.FORMAT_KEY}"] < 0.5,
                    frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,
                    eval_value_rmse_end=last.get("eval_value_rmse"),
-                   seconds=round(state.seconds, 1), out=str(out))
+                   seconds=round(state.seconds, 1), peak_memory_mb=round(peak_memory_mb()), out=str(out))
     summary, _ = checkpoint.finite_json(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
     plots.plot_run(out)
     headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
                          for key in task.HEADLINE)
     log(f"{'stopped' if state.stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "
-        f"rate {state.collapses}/{updates} (frozen-policy floor {summary['crash_floor']:.2f}); "
-        f"files in {out}/ (curves.png)")
+        f"rate {state.collapses}/{updates} (frozen-policy floor {summary['crash_floor']:.2f}), peak memory "
+        f"{summary['peak_memory_mb']} MB; files in {out}/ (curves.png)")
     return summary
+
+
+def peak_memory_mb() -> float:
+    """This process's peak: GPU memory allocated by torch on a GPU, else the resident set size
+    (RSS, the CPU's; it includes Python and every library)."""
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024          # KiB on Linux

@@ -44,6 +44,7 @@ import logprobs
 import monitor
 import policy
 import ppo
+import pretrained
 import report
 import rollout
 import schedules
@@ -56,15 +57,17 @@ TASKS = tasks.TASKS
 # ---- the policy ----
 
 def load(cfg: Config, task, device: str, log):
-    """The policy and its tokenizer on device, dropout off: a local --model folder, or the tiny
-    model built in code and warm-started (policy.py)."""
-    default_steps = 0 if cfg.model else 300                   # --sft-steps -1: the default
-    warm = policy.WarmStart(default_steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr, 64,
-                            cfg.sft_seed)
+    """The policy and its tokenizer on device, dropout off: a real model (--model: a named
+    model, a folder, a hub id; pretrained.py) or the tiny model built in code, each
+    warm-started on the task's mix (policy.py) unless --sft-steps 0."""
+    default = policy.WARM_START["real" if cfg.model else "tiny"]
+    warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
+                            default.batch, cfg.sft_seed)
     if cfg.model:
+        folder = pretrained.resolve(cfg.model, Path(cfg.model_cache or pretrained.default_cache()), log)
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
         # weights would mostly round away.
-        model, tok = policy.local_policy(task, cfg.model, warm, log)
+        model, tok = policy.real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
     else:
         model, tok = policy.tiny_policy(task, cfg.hidden, cfg.layers, warm, Path(cfg.cache_dir), log)
     off = policy.disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
@@ -208,9 +211,10 @@ def start(cfg: Config, out: Path) -> Run:
     value_head = ppo.ValueHead(model.config.hidden_size).to(device) if cfg.algo == "ppo" else None
     params = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
-    # bf16 autocast on a GPU; the lesson code is the same on both.
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device == "cuda" \
-        else contextlib.nullcontext
+    # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
+    bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
+    log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer,
                       config.sampling(cfg), autocast)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
@@ -232,7 +236,8 @@ def start(cfg: Config, out: Path) -> Run:
             if torn:
                 log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
         log(f"resumed from {used} at step {state.step}")
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on), indent=2))
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
               {split: task.prompts(split) for split in ("train", "eval")},
               checkpoint.JsonlLog(out / "metrics.jsonl", append=bool(cfg.resume)),
@@ -376,7 +381,7 @@ if __name__ == "__main__":
     cfg = parse_config()
     try:
         summary = train(cfg)
-    except (policy.ModelError, checkpoint.ResumeError, checkpoint.RunBusy) as e:  # before training
+    except (pretrained.ModelError, checkpoint.ResumeError, checkpoint.RunBusy) as e:  # before training
         fail(str(e))
     # 128 + the signal's number (130 Ctrl-C, 143 SIGTERM), as a shell reports a killed job
     sys.exit(128 + checkpoint.SIGNALS[summary["interrupted"]] if summary["interrupted"]
