@@ -4,6 +4,8 @@
     python bench.py --config 25m --vs-trl --json results/bench/25m.json
     python bench.py --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
     python bench.py logprobs                            # peak extra memory of logprobs.token_logprobs
+    python bench.py --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
+    python bench.py bf16                                # is bf16 faster than float32 on this machine?
 
 The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
@@ -44,12 +46,20 @@ CONFIGS = {   # model shape and the work per step
                      prompt=64),
 }
 BETA, LR = 0.04, 1e-6
+# --model: a real model's work per step, sized for a CPU: B=4 DSL prompts (through the chat
+# template, ~90 tokens) x K=4 samples of up to 24 new tokens, as `train.py --model` runs.
+REAL = dict(b=4, k=4, new=24)
 
 
-def build(cfg: dict):
-    """(model, tokenizer): random weights from seed 0, words w0..wV as the vocabulary."""
+def build(cfg: dict, model_name: str = ""):
+    """(model, tokenizer): random weights from seed 0, words w0..wV as the vocabulary; or,
+    with model_name, that real model (pretrained.resolve), not warm-started."""
     from transformers import Qwen2ForCausalLM
     import policy
+    if model_name:
+        import pretrained
+        folder = pretrained.resolve(model_name, pretrained.default_cache(), log=lambda s: print(s, file=sys.stderr))
+        return policy.real_policy(None, folder, policy.WarmStart(steps=0), Path(".cache/warmstart"))
     tok = policy.build_tokenizer([f"w{i}" for i in range(cfg["vocab"] - len(policy.SPECIAL))])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(policy.tiny_config(tok, cfg["hidden"], cfg["layers"], 1024,
@@ -58,8 +68,13 @@ def build(cfg: dict):
     return model, tok
 
 
-def prompts(cfg: dict, n: int, seed: int) -> list:
+def prompts(cfg: dict, n: int, seed: int, tok=None) -> list:
     rng = random.Random(seed)
+    if "vocab" not in cfg:                      # a real model: the DSL task's prompts, chat-formatted
+        import policy
+        import workflow_task
+        chosen = rng.sample(workflow_task.prompts("train"), n)
+        return [policy.format_prompt(tok, p["text"], workflow_task.SYSTEM_PROMPT) for p in chosen]
     return [" ".join(f"w{rng.randrange(cfg['vocab'] - 3)}" for _ in range(cfg["prompt"])) for _ in range(n)]
 
 
@@ -76,11 +91,11 @@ def peak_mb(device: str) -> float:
 
 # ---- ours: the trainer's own functions, timed piece by piece ----
 
-def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str) -> dict:
+def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_name: str = "") -> dict:
     import grpo
     import rollout
     import tasks
-    model, tok = build(cfg)
+    model, tok = build(cfg, model_name)
     model.to(device)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
@@ -112,7 +127,7 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str) -> dict
         spent.clear()
         t0 = time.perf_counter()
         with amp():
-            batch = rollout.sample(rollout.Models(model, tok, ref), prompts(cfg, cfg["b"], step), cfg["k"],
+            batch = rollout.sample(rollout.Models(model, tok, ref), prompts(cfg, cfg["b"], step, tok), cfg["k"],
                                    sampling, record_old_logp=not fast)
         t1 = time.perf_counter()
         ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask)]
@@ -220,16 +235,32 @@ def worker(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.worker == "logprobs":
         return run_logprobs(tuple(map(int, args.shape.split(","))), args.dtype, args.how)
-    cfg = CONFIGS[args.config]
+    cfg = REAL if args.model else CONFIGS[args.config]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker == "trl":
         return run_trl(cfg, args.steps, args.bf16, device)
-    return run_ours(cfg, args.steps, args.bf16, not args.plain, device)
+    return run_ours(cfg, args.steps, args.bf16, not args.plain, device, args.model)
+
+
+def bf16_report(args) -> None:
+    """float32 against bf16 on this machine: one 1024 x 1024 matmul, 10 times each."""
+    a = torch.randn(1024, 1024)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = a.to(dtype)
+        x @ x                                                   # first call: allocation, dispatch
+        t0 = time.perf_counter()
+        for _ in range(10):
+            x @ x
+        print(f"  10 matmuls 1024 x 1024 in {str(dtype)[6:]:8s}: {time.perf_counter() - t0:.3f} s "
+              f"({torch.get_num_threads()} threads)")
+    import policy
+    print(f"policy.bf16_matmul_is_faster(): {policy.bf16_matmul_is_faster()} "
+          f"(train.py --bf16 auto uses bf16 autocast for a real model on this CPU only if True)")
 
 
 def launch(args, who: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", who, "--config", args.config, "--steps", str(args.steps),
-           "--threads", str(args.threads)] + ["--bf16"] * args.bf16 + ["--plain"] * args.plain
+           "--threads", str(args.threads), "--model", args.model] + ["--bf16"] * args.bf16 + ["--plain"] * args.plain
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"bench.py: the {who} run failed:\n{out.stderr[-3000:]}")
@@ -249,7 +280,8 @@ def summarise(run: dict, warmup: int) -> dict:
 def main(argv=None):
     p = config.OneLineParser(prog="bench.py", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs"))
+    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16"))
+    p.add_argument("--model", default="", help="a real model (train.py --model) instead of --config")
     p.add_argument("--config", default="tiny", choices=tuple(CONFIGS))
     p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the medians")
@@ -278,19 +310,27 @@ def main(argv=None):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
     if args.what == "logprobs":
         return logprobs_report(args)
+    if args.what == "bf16":
+        return bf16_report(args)
+    if args.model and args.vs_trl:
+        p.error("--vs-trl compares on the --config shapes, not with --model")
+    if args.model:
+        problem = config.validate_model(args.model)
+        if problem:
+            p.error(f"--model: {problem}")
     if args.vs_trl:
         try:
             import trl  # noqa: F401
         except ImportError:
             p.error("--vs-trl needs TRL: pip install trl==1.16.0 (see the README, Performance)")
-    cfg = CONFIGS[args.config]
+    cfg = REAL if args.model else CONFIGS[args.config]
     ours, theirs = [], []
     for _ in range(args.pairs if args.vs_trl else 1):
         ours.append(summarise(launch(args, "ours"), args.warmup))
         if args.vs_trl:
             theirs.append(summarise(launch(args, "trl"), args.warmup))
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"{args.config}: B={cfg['b']} x K={cfg['k']}, {cfg['new']} new tokens, beta {BETA}, one update per "
+    print(f"{args.model or args.config}: B={cfg['b']} x K={cfg['k']}, {cfg['new']} new tokens, beta {BETA}, one update per "
           f"step, {'bf16' if args.bf16 else 'fp32'}, {device}; medians of steps {args.warmup + 1}..{args.steps}")
     for i, o in enumerate(ours):
         split = "  ".join(f"{k} {v:.3f}" for k, v in o["split"].items())
@@ -301,7 +341,7 @@ def main(argv=None):
             line += f"\n  TRL:  {t['s_per_step']:.3f} s/step  peak {t['peak_mb']:.0f} MB  " \
                     f"-> ratio ours/TRL {o['s_per_step'] / t['s_per_step']:.2f}"
         print(line)
-    result = dict(config=dict(name=args.config, **cfg, beta=BETA, bf16=args.bf16, fast=not args.plain,
+    result = dict(config=dict(name=args.model or args.config, **cfg, beta=BETA, bf16=args.bf16, fast=not args.plain,
                               steps=args.steps, warmup=args.warmup, device=device),
                   ours_s_per_step=statistics.median(o["s_per_step"] for o in ours),
                   ours_peak_mb=max(o["peak_mb"] for o in ours), ours_split=ours[0]["split"],

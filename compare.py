@@ -13,10 +13,13 @@ RL is noisy: one seed proves nothing, so this is how the README's numbers are ma
 """
 import argparse
 import json
+import os
 import shlex
+import subprocess
 import statistics
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import matplotlib
@@ -31,15 +34,33 @@ import tasks
 import train
 
 
-def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False) -> list[dict]:
-    summaries = []
-    for seed in range(seeds):
-        c = config.parse_config(argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"]
-                                + ["--overwrite"] * overwrite)
-        summaries.append(train.train(c))
-        if summaries[-1]["interrupted"]:          # Ctrl-C stopped that run cleanly: stop here too
-            raise KeyboardInterrupt(summaries[-1]["interrupted"])
-    return summaries
+def run_one(argv: list, jobs: int) -> dict:
+    """One train.py run (argv includes --seed and --out); its summary. jobs == 1: in this
+    process. jobs > 1: as a process of its own, one of `jobs` at a time, each with its share
+    of the CPU threads, so seeds run side by side on a many-core or GPU machine."""
+    if jobs == 1:
+        summary = train.train(config.parse_config(argv))
+    else:
+        threads = str(max(1, (os.cpu_count() or 1) // jobs))
+        done = subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *argv],
+                              env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True)
+        out = Path(argv[argv.index("--out") + 1])
+        if not (out / "summary.json").exists():     # it ended before it could write its summary
+            tail = (done.stderr.strip().splitlines() or ["(nothing)"])[-1]
+            raise RuntimeError(f"train.py {shlex.join(argv)} exited {done.returncode}: {tail}")
+        summary = json.loads((out / "summary.json").read_text())
+    if summary["interrupted"]:                      # Ctrl-C stopped that run cleanly: stop here too
+        raise KeyboardInterrupt(summary["interrupted"])
+    return summary
+
+
+def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, jobs: int = 1) -> list[dict]:
+    runs = [argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"] + ["--overwrite"] * overwrite
+            for seed in range(seeds)]
+    if jobs == 1:
+        return [run_one(r, 1) for r in runs]
+    with ThreadPoolExecutor(jobs) as pool:          # threads that each wait on a process
+        return list(pool.map(lambda r: run_one(r, jobs), runs))
 
 
 def slug(setting: str) -> str:
@@ -140,9 +161,15 @@ def main(argv=None):
     p.add_argument("--columns", default="",
                    help="comma-separated extra summary.json keys for the table, e.g. eval_value_rmse_end")
     p.add_argument("--overwrite", action="store_true", help="replace the runs already under --out")
+    p.add_argument("--model", default="", help="train.py --model for every run (e.g. smollm2-135m)")
+    p.add_argument("--jobs", type=int, default=1, help="seeds run as this many parallel processes")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.model:
+        args.common = f"--model {shlex.quote(args.model)} {args.common}"
     common = shlex.split(args.common)
     columns = [x for x in args.columns.split(",") if x]
     for s in args.settings:                       # fail on a bad setting or column before any run
@@ -157,13 +184,13 @@ def main(argv=None):
             p.error(f"--columns: {unknown[0]!r} is not a summary.json key of --task {c.task}; one of: "
                     f"{', '.join(sorted(report.summary_keys(tasks.TASKS[c.task])))}")
     results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","),
-                           columns, overwrite=args.overwrite)
+                           columns, overwrite=args.overwrite, jobs=args.jobs)
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 
 def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("eval_best_rate",),
-                 columns=(), title: str = "", log=print, overwrite: bool = False) -> dict:
+                 columns=(), title: str = "", log=print, overwrite: bool = False, jobs: int = 1) -> dict:
     """Run every setting over seeds into out/runs/<setting>/s<seed>/ (overwrite: replacing the
     runs there); write out/table.md, out/summaries.json and out/compare.png; return
     {setting: [summary per seed]}."""
@@ -171,7 +198,7 @@ def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("e
     for s in settings:
         name = " ".join(shlex.split(s))
         results[name] = run_setting(shlex.split(common) + shlex.split(s), seeds, out / "runs" / slug(s),
-                                    overwrite)
+                                    overwrite, jobs)
         log(f"finished {name}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results, columns) + "\n")

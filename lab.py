@@ -4,6 +4,7 @@
     python lab.py group_norm tools       # some of them
     python lab.py --quick                # all nine, 2 seeds, a few steps, into runs/lab-quick (CI)
     python lab.py --list                 # the experiments and the report each comes from
+    python lab.py --model smollm2-135m --jobs 4 group_norm   # on a real model, into results/smollm2-135m
 
 Each experiment writes results/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures)
 and returns the report's claim, what we measured, and a verdict computed from the numbers by
@@ -34,11 +35,22 @@ import workflow_task
 SEEDS, QUICK_SEEDS = 6, 2
 
 
-class Lab:
-    """Where an experiment writes, and how big it runs (--quick shrinks every run)."""
+# A real pretrained model (--model) runs each experiment with its learning rates scaled by
+# REAL_LR_SCALE and its steps divided by REAL_STEPS_DIVISOR; K and B stay, since they are
+# what the experiments compare. Why: the tiny model starts from random weights and learns
+# at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at 1e-5, and the
+# same 100x keeps each experiment's "moderate" and "aggressive" rates apart by the same
+# factor. A real model's step costs ~50x the tiny one's (`python bench.py --model
+# smollm2-135m`), so a third of the steps. These are our choices, not tuned to any outcome.
+REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3
 
-    def __init__(self, root: Path, quick: bool):
-        self.root, self.quick = root, quick
+
+class Lab:
+    """Where an experiment writes, and how big it runs (--quick shrinks every run; --model
+    scales them for a real model; --jobs runs seeds side by side)."""
+
+    def __init__(self, root: Path, quick: bool, model: str = "", jobs: int = 1):
+        self.root, self.quick, self.model, self.jobs = root, quick, model, jobs
         self.seeds = QUICK_SEEDS if quick else SEEDS
 
     def dir(self, name: str) -> Path:
@@ -47,7 +59,13 @@ class Lab:
         return path
 
     def shrink(self, flags: str) -> str:
-        """--quick: every --steps N becomes N // 15 (at least 4; --warmup-steps too)."""
+        """--quick: every --steps N becomes N // 15 (at least 4; --warmup-steps too).
+        --model: every --steps N becomes N // REAL_STEPS_DIVISOR and every --lr x becomes
+        x * REAL_LR_SCALE (before --quick shrinks the steps further)."""
+        if self.model:
+            flags = re.sub(r"--(steps|warmup-steps) (\d+)",
+                           lambda m: f"--{m.group(1)} {max(1, int(m.group(2)) // REAL_STEPS_DIVISOR)}", flags)
+            flags = re.sub(r"--lr (\S+)", lambda m: f"--lr {float(m.group(1)) * REAL_LR_SCALE:g}", flags)
         if not self.quick:
             return flags
         return re.sub(r"--(steps|warmup-steps) (\d+)",
@@ -55,12 +73,14 @@ class Lab:
                       flags)
 
     def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=()):
-        common = self.shrink(common) + (" --eval-every 2 --eval-samples 1" if self.quick else "")
+        common = self.shrink(common) + (" --eval-every 2 --eval-samples 1" if self.quick else "") \
+            + (f" --model {self.model}" if self.model else "")
         settings = [self.shrink(s) for s in settings]
         # an experiment's rerun replaces its own runs: lab.py owns its --out folder
         results = compare.run_settings(settings, common, self.seeds, self.dir(name), metrics, columns,
                                        title=f"{name}: {self.seeds} seeds; common: {common}",
-                                       log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True)
+                                       log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True,
+                                       jobs=self.jobs)
         return {key: runs for key, runs in zip(settings, results.values())}
 
 
@@ -380,7 +400,16 @@ def main(argv=None):
                    help="where NAME/, summary.json and SUMMARY.md go (default: results, or runs/lab-quick "
                         "with --quick, so a smoke test never overwrites the results)")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--model", default="", help="run on a real model (train.py --model, e.g. smollm2-135m), "
+                   "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
+    p.add_argument("--jobs", type=int, default=1, help="run each setting's seeds as this many parallel processes")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.model:
+        problem = config.validate_model(args.model)
+        if problem:
+            p.error(f"--model: {problem}")
     if args.list:
         for name, fn in EXPERIMENTS.items():
             print(f"{name:18s} {fn.__doc__.strip().splitlines()[0]}")
@@ -388,12 +417,13 @@ def main(argv=None):
     unknown = [n for n in args.names if n not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join(EXPERIMENTS)}")
-    out = args.out or Path("runs/lab-quick" if args.quick else "results")
+    out = args.out or Path("runs/lab-quick" if args.quick else
+                           f"results/{args.model.replace('/', '_')}" if args.model else "results")
     if not config.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     names = args.names or list(EXPERIMENTS)
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
-    lab = Lab(out, args.quick)
+    lab = Lab(out, args.quick, args.model, args.jobs)
     summary_file = out / "summary.json"
     # Entries of experiments not run now stay as they were: a partial (or interrupted) run
     # updates only its own experiments.

@@ -26,3 +26,28 @@ def test_bench_measures_a_step_of_ours(tmp_path):
     assert r["ours_s_per_step"] > 0 and r["ours_peak_mb"] > 0 and r["ours_tokens_per_s"] > 0
     assert set(r["ours_split"]) >= {"generate", "reference", "policy_fwd_bwd", "optimizer", "reward"}
     assert r["config"]["name"] == "tiny" and r["config"]["fast"]
+
+
+def test_compare_jobs_runs_seeds_as_processes_and_collects_their_summaries(tmp_path):
+    import compare
+    common = "--steps 2 --batch 2 --k 4 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1"
+    compare.main(["--k 4", "--seeds", "2", "--jobs", "2", "--common", common, "--out", str(tmp_path)])
+    summaries = json.loads((tmp_path / "summaries.json").read_text())["--k 4"]
+    assert [s["steps"] for s in summaries] == [2, 2]
+    assert [s["out"] for s in summaries] == [str(tmp_path / "runs" / "k_4" / f"s{i}") for i in (0, 1)]
+    assert (tmp_path / "table.md").is_file() and (tmp_path / "compare.png").is_file()
+
+
+def test_a_failing_job_names_its_command_and_last_line(tmp_path):
+    import compare
+    import pytest
+    with pytest.raises(RuntimeError, match=r"exited 2: .*--layers"):
+        compare.run_one(["--layers", "0", "--out", str(tmp_path / "r")], jobs=2)
+
+
+def test_on_a_real_model_the_lab_scales_lr_and_steps_and_keeps_k_and_b(tmp_path):
+    real = lab.Lab(tmp_path, quick=False, model="smollm2-135m")
+    assert real.shrink("--k 2 --batch 3 --steps 150 --lr 7e-3") == "--k 2 --batch 3 --steps 50 --lr 7e-05"
+    assert lab.Lab(tmp_path, quick=False).shrink("--steps 150 --lr 1e-3") == "--steps 150 --lr 1e-3"
+    quick_real = lab.Lab(tmp_path, quick=True, model="smollm2-135m")
+    assert quick_real.shrink("--steps 150 --lr 1e-3") == "--steps 4 --lr 1e-05"
