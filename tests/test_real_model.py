@@ -1,0 +1,146 @@
+"""The lessons on a real pretrained LLM: SmolLM2-135M-Instruct, fetched and converted once
+(pretrained.py; found in the user's cache on a second run), on a CPU.
+
+What a reader of a real-model run relies on, each checked here:
+- the converted folder is a plain Hugging Face model (no gguf needed to load it) that still
+  answers like an instruct model;
+- the prompt the model sees is the task's text inside the chat template, after the task's
+  system prompt;
+- pad = EOS (<|im_end|>) and yet the EOS the policy sampled stays in the loss mask;
+- a tool turn ends at its stop string, which is several tokens in this tokenizer;
+- a short supervised warm start puts the model near report 001's starting mix;
+- one GRPO step and one PPO step through train.py change the weights, and the checkpoint
+  they write loads with plain transformers.
+
+About 5 minutes on 2 CPU cores, most of it the warm start.
+"""
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import evaluate
+import policy
+import pretrained
+import rollout
+import tasks
+import tool_task
+import workflow_task
+from tool_env import STOP_STRINGS
+
+ROOT = Path(__file__).parent.parent
+WARM = policy.WarmStart(steps=10, lr=1e-4, batch=8, seed=0)     # a third of the default: CI's time
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return pretrained.resolve("smollm2-135m", pretrained.default_cache(), log=print)
+
+
+@pytest.fixture(scope="module")
+def base(folder):
+    torch.manual_seed(0)
+    model, tok = policy.real_policy(None, folder, policy.WarmStart(steps=0), Path("unused"))
+    policy.disable_dropout(model)
+    return rollout.Models(model, tok, None, None)
+
+
+@pytest.fixture(scope="module")
+def warm(folder, tmp_path_factory):
+    """The DSL warm start (10 steps), saved as a model folder train.py can load."""
+    cache = tmp_path_factory.mktemp("warm")
+    model, tok = policy.real_policy(workflow_task, folder, WARM, cache)
+    policy.disable_dropout(model)
+    saved = next(p for p in cache.iterdir() if (p / "config.json").exists())    # the cache entry
+    return rollout.Models(model, tok, None, None), saved
+
+
+def test_the_converted_model_is_a_plain_folder_that_answers_like_an_instruct_model(folder):
+    assert "quantization_config" not in (folder / "config.json").read_text()
+    tok = AutoTokenizer.from_pretrained(folder)                  # plain transformers, no gguf
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008 and len(tok) == 49_152
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def test_the_model_sees_the_task_text_inside_the_chat_template(base):
+    prompt = workflow_task.prompts("eval")[0]
+    batch, _ = workflow_task.sample(base, [prompt], 1, tasks.Sampling(max_new_tokens=2))
+    seen = base.tok.decode(batch.prompt_ids[0][batch.prompt_mask[0].bool()])
+    assert seen == (f"<|im_start|>system\n{workflow_task.SYSTEM_PROMPT}<|im_end|>\n"
+                    f"<|im_start|>user\n{policy.natural(prompt['text'])}<|im_end|>\n<|im_start|>assistant\n")
+    assert policy.natural(prompt["text"]).startswith("Problem (code): ")
+
+
+def test_pad_is_eos_and_the_sampled_eos_stays_in_the_mask(base):
+    tok = base.tok
+    assert tok.pad_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    text = policy.format_prompt(tok, "What is the capital of France? One short sentence.", "Answer briefly.")
+    torch.manual_seed(0)
+    batch = rollout.sample(base, [text], 4, tasks.Sampling(temperature=0.7, max_new_tokens=24))
+    ended = 0
+    for ids, mask in zip(batch.completion_ids, batch.completion_mask):
+        eos = (ids == tok.eos_token_id).nonzero()
+        if len(eos) and mask.sum() < len(mask):          # an EOS sampled before the end, pad after it
+            first = eos[0].item()
+            assert mask[first] == 1, "the sampled EOS must be trained on, though pad == EOS"
+            assert mask.sum() == first + 1 and mask[first + 1:].sum() == 0
+            ended += 1
+    assert ended >= 1, f"no completion ended with EOS: {batch.texts}"
+
+
+def test_a_turn_ends_at_its_stop_string_though_it_is_several_tokens(base):
+    tok = base.tok
+    turn = '<think> look it up </think> <tool_call> {"name": "query_knowledge_base"} </tool_call>'
+    ids = tok(turn + " and then the model went on talking", add_special_tokens=False)["input_ids"]
+    assert len(tok("</tool_call>", add_special_tokens=False)["input_ids"]) > 1
+    assert rollout.stop_ids(tok, STOP_STRINGS) is None                 # not single tokens here
+    cut = rollout.turn_tokens(ids, tok, None, STOP_STRINGS)
+    assert tok.decode(cut) == turn
+    # and in real episodes: every turn that holds a stop string ends with it
+    torch.manual_seed(0)
+    _, outcomes = tool_task.sample(base, tool_task.prompts("eval")[:2], 2,
+                                   tasks.Sampling(max_new_tokens=40, max_turns=2))
+    for _, turns in outcomes:
+        for text in turns:
+            hits = [s for s in STOP_STRINGS if s in text]
+            assert not hits or text.endswith(hits[0]), text
+
+
+def test_a_short_warm_start_lands_near_report_001s_starting_mix(base, warm):
+    """Report 001's start: 57% valid DSL, 43% `### Step 1` fallback. The base model writes
+    prose for every prompt; 10 supervised steps move it into a band around that mix (64
+    held-out samples; the default 30 steps are measured in the README)."""
+    models, _ = warm
+    sampling = tasks.Sampling(max_new_tokens=24)
+    rates, _ = evaluate.evaluate(models, workflow_task, workflow_task.prompts("eval"), sampling, 2, 1.0)
+    assert 0.3 <= rates["eval_valid_rate"] <= 0.85, rates
+    assert 0.1 <= rates["eval_fallback_rate"] <= 0.65, rates
+    assert rates["eval_junk_rate"] <= 0.3, rates
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_one_rl_step_changes_the_weights_and_its_checkpoint_loads_with_plain_transformers(warm, tmp_path, algo):
+    _, folder = warm
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(folder), "--sft-steps", "0",
+                        "--algo", algo, "--steps", "1", "--batch", "2", "--k", "4", "--norm", "global",
+                        "--lr", "1e-5", "--eval-samples", "1", "--max-new-tokens", "16", "--save-every", "1",
+                        "--out", str(out), "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = next((out / "checkpoints").glob("step-*"))
+    model = AutoModelForCausalLM.from_pretrained(ckpt)                  # plain transformers
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert tok.chat_template and type(model).__name__ == "LlamaForCausalLM"
+    before, after = load_file(folder / "model.safetensors"), model.state_dict()
+    changed = sum(not torch.equal(before[k], after[k]) for k in before)
+    assert changed > len(before) // 2, f"{algo}: only {changed} of {len(before)} tensors changed"
