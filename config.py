@@ -51,7 +51,8 @@ class Config:
     adv_clip: float = opt(0.0, "clamp advantages to [-c, c]; 0 = off")
     # the update
     steps: int = opt(150, "training steps (one batch of rollouts each)")
-    lr: float = opt(1e-3, "AdamW learning rate (the tiny model needs a large one)")
+    lr: float = opt(0.0, "AdamW learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
+                    "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)")
     clip_eps: float = opt(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
     clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
@@ -196,7 +197,8 @@ def validate(cfg: Config) -> Config:
          f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
     need(cfg.batch >= 1, "batch", f"must be >= 1, got {cfg.batch}")
     need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
-    need(cfg.lr > 0, "lr", f"must be > 0, got {cfg.lr}")
+    need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
+    cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
     need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
     need(cfg.clip_eps_high >= 0, "clip-eps-high", f"must be >= 0, got {cfg.clip_eps_high}")
     need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")

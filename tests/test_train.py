@@ -61,7 +61,7 @@ def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     (["--k", "1", "--norm", "rloo"], "--k"),
     (["--norm", "bogus"], "--norm"),
     (["--lr", "-1"], "--lr"),
-    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
     (["--batch", "0"], "--batch"),
     (["--steps", "0"], "--steps"),
     (["--clip-eps", "1.5"], "--clip-eps"),
