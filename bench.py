@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 
 import config
+import report
 
 CONFIGS = {   # model shape and the work per step
     "tiny": dict(vocab=3072, hidden=128, layers=2, heads=4, kv=2, inter=512, b=8, k=8, new=32, prompt=16),
@@ -81,12 +81,6 @@ def prompts(cfg: dict, n: int, seed: int, tok=None) -> list:
 def even_share(ids_rows: list) -> list:
     """The benchmark's reward: the share of even token ids in each completion."""
     return [sum(i % 2 == 0 for i in ids) / max(1, len(ids)) for ids in ids_rows]
-
-
-def peak_mb(device: str) -> float:
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2 ** 20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024       # KiB on Linux
 
 
 # ---- ours: the trainer's own functions, timed piece by piece ----
@@ -145,7 +139,7 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
         times.append(total)
         split.append(dict(spent))
         tokens.append(int(batch.completion_mask.sum()))
-    return dict(times=times, split=split, tokens=tokens, peak_mb=peak_mb(device))
+    return dict(times=times, split=split, tokens=tokens, peak_mb=report.peak_memory_mb())
 
 
 # ---- TRL's GRPOTrainer on the same model, prompts and sizes ----
@@ -183,7 +177,7 @@ def run_trl(cfg: dict, steps: int, bf16: bool, device: str) -> dict:
         trainer = GRPOTrainer(model=f"{out}/model", reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tok, callbacks=[Clock()])
         trainer.train()
-    return dict(times=times, peak_mb=peak_mb(device))
+    return dict(times=times, peak_mb=report.peak_memory_mb())
 
 
 # ---- the log-prob function's memory on Qwen-sized logits ----

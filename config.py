@@ -300,10 +300,7 @@ def validate_model(name: str) -> str | None:
         return None
     if Path(name).exists():
         return model_folder_problem(Path(name))
-    if name.count("/") != 1 or name.startswith((".", "/")):
-        return (f"not a named model ({', '.join(pretrained.NAMED)}), not a folder that exists, "
-                f"and not a hub id of the form org/name")
-    return None
+    return pretrained.not_a_hub_id(name)
 
 
 def model_folder_problem(path: Path) -> str | None:

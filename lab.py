@@ -38,10 +38,11 @@ SEEDS, QUICK_SEEDS = 6, 2
 # A real pretrained model (--model) runs each experiment with its learning rates scaled by
 # REAL_LR_SCALE and its steps divided by REAL_STEPS_DIVISOR; K and B stay, since they are
 # what the experiments compare. Why: the tiny model starts from random weights and learns
-# at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at 1e-5, and the
+# at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at ~1e-5, and the
 # same 100x keeps each experiment's "moderate" and "aggressive" rates apart by the same
-# factor. A real model's step costs ~50x the tiny one's (`python bench.py --model
-# smollm2-135m`), so a third of the steps. These are our choices, not tuned to any outcome.
+# factor (an experiment that sets no --lr gets train.py's real-model default, 2e-5). A real
+# model's step takes 16.7 s on a 2-core CPU (`python bench.py --model smollm2-135m`), so a
+# third of the steps. These are our choices, not tuned to any outcome.
 REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3
 
 

