@@ -71,6 +71,21 @@ def _std(x: torch.Tensor, dim, unbiased: bool) -> torch.Tensor:
     return x.std(dim=dim, correction=1 if unbiased else 0, keepdim=True)
 
 
+def batch_mean_std(x: torch.Tensor, w: torch.Tensor, unbiased: bool, allsum=None):
+    """The w-weighted mean and std of x (N,) over the whole batch, as two 0-d tensors. Each
+    sum runs over this process's rows and, through allsum, over every rank's (distributed.py):
+
+        n = sum_i w_i,   mean = sum_i w_i x_i / n,   var = sum_i w_i (x_i - mean)^2 / (n - c)
+
+    c = 1 with Bessel's correction (unbiased), else 0. The mean's sums travel first, the
+    squared deviations from it second (two rounds, no cancellation of sum x^2 - n mean^2)."""
+    allsum = allsum or (lambda t: t)
+    n, wx = allsum(torch.stack([w.sum(), (w * x).sum()]))
+    mean = wx / n.clamp_min(1e-12)                       # an empty batch: mean 0, std 0
+    var = allsum((w * (x - mean) ** 2).sum()) / (n - (1 if unbiased else 0)).clamp_min(1e-12)
+    return mean, var.sqrt()
+
+
 def _safe_div(x: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
     # x / max(std, eps): a zero-variance group has x == 0 exactly, so it gets 0, not NaN.
     return x / std.clamp_min(eps)
@@ -80,7 +95,7 @@ def _safe_div(x: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
 
 def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
             unbiased: bool = False, clip: float | None = None,
-            lengths: torch.Tensor | None = None) -> torch.Tensor:
+            lengths: torch.Tensor | None = None, allsum=None) -> torch.Tensor:
     """Sequence-level advantages for N = B*K rewards grouped K per prompt.
 
     rewards: (N,) float, prompt i owns rewards[i*K:(i+1)*K].
@@ -94,6 +109,10 @@ def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
     lengths: (N,) policy tokens per sequence, for reinforce++-baseline only: verl and
         OpenRLHF whiten the advantage after spreading it over tokens, so a sequence weighs
         by its length in the batch mean and std (None: every sequence weighs 1).
+    allsum: under torchrun, a function that sums a tensor over every rank
+        (distributed.all_sum), for the three estimators with batch statistics (global, batch,
+        reinforce++-baseline): rewards is then this rank's whole groups, and the mean and std
+        are the whole batch's. None: this is the whole batch.
     Returns (N,) advantages in the rewards' float dtype.
     """
     _check(rewards, k, norm)
@@ -112,21 +131,21 @@ def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
         a = g - g.mean(1, keepdim=True)                                         # (B, K)
     elif norm == "global":
         # A_i = (r_i - mean_N) / std_N            (REINFORCE++: one baseline for the batch)
-        a = _safe_div(r - r.mean(), _std(r, 0, unbiased), eps)                  # (N,)
+        mean, std = batch_mean_std(r, torch.ones_like(r), unbiased, allsum)
+        a = _safe_div(r - mean, std, eps)                                       # (N,)
     elif norm == "batch":
         # A_i = (r_i - mean_g) / std_N            (group baseline, batch scale; std_N is the
         #                                          std of the raw rewards, as TRL computes it)
-        a = _safe_div(g - g.mean(1, keepdim=True), _std(r, 0, unbiased), eps)   # (B, K)
+        _, std = batch_mean_std(r, torch.ones_like(r), unbiased, allsum)
+        a = _safe_div(g - g.mean(1, keepdim=True), std, eps)                    # (B, K)
     elif norm == "reinforce++-baseline":
         # c_i = r_i - mean_g;  A_i = (c_i - mean_N(c)) / std_N(c)    (REINFORCE++-baseline,
         #     verl and OpenRLHF: the group baseline, then whitening over the batch's tokens;
         #     Bessel-corrected as verl's masked_whiten, whatever `unbiased` says)
         c = (g - g.mean(1, keepdim=True)).reshape(-1)                           # (N,)
         w = torch.ones_like(c) if lengths is None else lengths.to(torch.float64)  # (N,)
-        total = w.sum()
-        mean = (w * c).sum() / total
-        var = (w * (c - mean) ** 2).sum() / total * total / (total - 1).clamp_min(1e-12)
-        a = _safe_div(c - mean, var.sqrt(), eps)                                # (N,)
+        mean, std = batch_mean_std(c, w, True, allsum)
+        a = _safe_div(c - mean, std, eps)                                       # (N,)
     elif norm == "rloo":
         # A_i = r_i - (sum_g r - r_i) / (K - 1)   (each sample's baseline excludes itself,
         #     = K/(K-1) * (r_i - mean_g)           so the baseline is independent of r_i)
@@ -180,17 +199,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-           eps: float = 1e-8) -> torch.Tensor:
+           eps: float = 1e-8, allsum=None) -> torch.Tensor:
     """Masked z-score: (x - mean) / sqrt(var + eps) over the entries where mask is 1.
 
     x, mask: same shape. Population variance. shift_mean=False adds the mean back (PPO
     implementations whiten rewards that way, keeping their sign). Zero where mask is 0.
+    allsum: as in `compute`: under torchrun the mean and variance are every rank's tokens'.
     """
     m = mask.to(x.dtype)
-    count = m.sum().clamp_min(1)
     # mean = sum(x * m) / sum(m);  var = sum((x - mean)^2 * m) / sum(m)
-    mean = (x * m).sum() / count
-    var = ((x - mean) ** 2 * m).sum() / count
+    mean, std = batch_mean_std(x.flatten(), m.flatten(), False, allsum)
+    var = std ** 2
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -87,6 +87,7 @@ def even_share(ids_rows: list) -> list:
 
 def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_name: str = "") -> dict:
     import grpo
+    import logprobs
     import rollout
     import tasks
     model, tok = build(cfg, model_name)
@@ -130,7 +131,7 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
         spent["reward"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         with amp():
-            grpo.update(model, opt, batch, dataclasses.replace(hp, seed=step))
+            grpo.update(logprobs.Scorer(model), opt, batch, dataclasses.replace(hp, seed=step))
         if device == "cuda":
             torch.cuda.synchronize()
         total = time.perf_counter() - t0

@@ -23,12 +23,15 @@ One update, as `update` below writes it out:
     prepare(batch, hp)                                  A_i from the rewards (advantages.py)
     for each epoch, for each shuffled mini-batch:       one optimizer step
         for each micro-batch:                           one forward and backward
-            logp   = logprobs.completion_logprobs(...)  the policy now, (n, C)
+            logp   = scorer(rows.tokens, ...)           the policy now, (n, C) (logprobs.Scorer)
             loss   = aggregate(policy_loss(...))        the equation above
             loss.backward()                             gradients add up over micro-batches
         optimizer_step(...)                             clip the norm, skip a NaN/inf step
 
-ppo.py runs the same loop with a value loss added. Every knob is a field of HyperParams,
+ppo.py runs the same loop with a value loss added. Under torchrun (distributed.py) the same
+loop runs on every rank over its share of the batch: the scorer is in DDP, the loss's
+denominators and the batch statistics are the whole batch's, the loss is scaled by the
+number of ranks; in one process those lines do nothing. Every knob is a field of HyperParams,
 built once from train.py's flags (config.hyper_params); `python train.py --k 8 --norm global`
 runs it.
 """
@@ -38,8 +41,8 @@ from dataclasses import dataclass
 import torch
 
 import advantages
+import distributed
 import kl
-import logprobs
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,10 @@ def prepare(batch, hp: HyperParams) -> None:
     if hp.kl_in_reward and batch.ref_logp is not None:
         kl_t = kl.estimate(batch.old_logp, batch.ref_logp, hp.kl_estimator)       # (N, C)
         r = r - hp.beta * (kl_t * mask).sum(1).cpu()
+    # batch statistics (global, batch, reinforce++-baseline) are summed over every rank
     batch.advantages = advantages.compute(r, hp.k, hp.norm, unbiased=hp.unbiased, clip=hp.adv_clip,
-                                          lengths=mask.sum(1).cpu()).to(mask.device)  # (N,)
+                                          lengths=mask.sum(1).cpu(),
+                                          allsum=distributed.all_sum).to(mask.device)  # (N,)
 
 
 
@@ -176,6 +181,7 @@ class MiniBatch:
     micro_batches: list       # index tensors into the batch
     seqs: int                 # sequences in the mini-batch  } the loss's denominators, so the
     tokens: int               # policy tokens in it          } micro-batch losses add up exactly
+                              # (under torchrun: summed over every rank's share of it)
 
 
 def minibatches(batch, hp: HyperParams, gen: torch.Generator):
@@ -190,9 +196,10 @@ def minibatches(batch, hp: HyperParams, gen: torch.Generator):
         mb = order[start:start + hp.mini_batch]
         if lengths is not None:
             mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
-        tokens = int(batch.completion_mask[mb].sum().clamp_min(1))
+        # the whole mini-batch's counts: this rank's, summed over every rank
+        seqs, tokens = distributed.all_sum(torch.tensor([len(mb), int(batch.completion_mask[mb].sum())])).tolist()
         yield MiniBatch([mb[i:i + hp.micro_batch] for i in range(0, len(mb), hp.micro_batch)],
-                        len(mb), tokens)
+                        seqs, max(tokens, 1))
 
 
 def optimizer_step(optimizer, params: list, max_grad_norm: float, loss: float) -> tuple[float, list]:
@@ -226,15 +233,26 @@ class UpdateStats:
         for key, v in sums.items():
             self.sums[key] = self.sums.get(key, 0.0) + v
 
-    def stepped(self, tokens: int, grad_norm: float, nonfinite: list) -> None:
-        """One mini-batch, after optimizer_step."""
+    def whole_minibatch_loss(self) -> float:
+        """The mini-batch's loss: this rank's part, summed over every rank (torchrun)."""
+        loss, self.minibatch_loss = distributed.sum_float(self.minibatch_loss), 0.0
+        return loss
+
+    def stepped(self, loss: float, tokens: int, grad_norm: float, nonfinite: list) -> None:
+        """One mini-batch, after optimizer_step (tokens: the whole mini-batch's)."""
         self.tokens += tokens
-        self.losses.append(self.minibatch_loss)
+        self.losses.append(loss)
         self.norms.append(grad_norm)
-        self.minibatch_loss = 0.0
         self.steps_taken += not nonfinite
         if nonfinite:
             self.skipped, self.nonfinite = self.skipped + 1, nonfinite
+
+    def end_epoch(self) -> None:
+        """The epoch's per-token sums over every rank's tokens (torchrun), so that target-KL's
+        early stop and the metrics are the whole batch's, the same on every rank."""
+        keys = sorted(self.sums)
+        totals = distributed.all_sum(torch.tensor([self.sums[key] for key in keys], dtype=torch.float64))
+        self.sums = dict(zip(keys, totals.tolist()))
 
     def mean(self, key: str) -> float:
         return self.sums.get(key, 0.0) / max(self.tokens, 1)
@@ -247,10 +265,11 @@ class UpdateStats:
 
 # ---- one GRPO update on a batch of rollouts ----
 
-def update(model, optimizer, batch, hp: HyperParams) -> dict:
+def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
     """GRPO's loss on one batch of rollouts (after `prepare`): hp.epochs passes over shuffled
     mini-batches, one optimizer step each, its gradient accumulated over micro-batches.
 
+    scorer: logprobs.Scorer(policy), in DDP under torchrun (distributed.replicate).
     batch: a rollout.Rollout (ids, masks, old_logp, ref_logp, advantages); ref_logp None means
     no reference; old_logp None means "the policy that sampled is this one" (--fast, one
     update per batch): old = logp.detach(). Early stop (CleanRL): no further epoch once an
@@ -259,25 +278,29 @@ def update(model, optimizer, batch, hp: HyperParams) -> dict:
     mini-batches; the norm before clipping), steps_taken, epochs_run, and the guard's
     skipped_nonfinite / nonfinite.
     """
-    model.train()
-    params = list(model.parameters())
+    scorer.train()
+    params = list(scorer.parameters())
     gen = torch.Generator().manual_seed(hp.seed)
     stats = UpdateStats()
     for _ in range(hp.epochs):
         stats.new_epoch()
         for mb in minibatches(batch, hp, gen):
             optimizer.zero_grad(set_to_none=True)
-            for idx in mb.micro_batches:
+            for i, idx in enumerate(mb.micro_batches):
                 rows = batch.rows(idx, trim=hp.fast)                              # (n, C) each
-                logp, entropy = logprobs.completion_logprobs(model, rows.tokens, hp.temperature,
-                                                             with_entropy=True,
-                                                             entropy_grad=hp.entropy_coef > 0)
-                old = rows.old_logp if rows.old_logp is not None else logp.detach()   # (n, C)
-                per_token, sums = policy_loss(logp, old, entropy, rows, hp)           # (n, C)
-                loss = aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
-                loss.backward()
+                # DDP: gradients all-reduced in the last micro-batch's backward only
+                with distributed.accumulating(scorer, last=i == len(mb.micro_batches) - 1):
+                    logp, entropy, _ = scorer(rows.tokens, hp.temperature, hp.entropy_coef > 0)
+                    old = rows.old_logp if rows.old_logp is not None else logp.detach()   # (n, C)
+                    per_token, sums = policy_loss(logp, old, entropy, rows, hp)           # (n, C)
+                    loss = aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
+                    # DDP averages gradients over W ranks; the denominators are the whole
+                    # mini-batch's already, so W * loss makes the average the sum
+                    (loss * distributed.size()).backward()
                 stats.add(loss.item(), sums)
-            stats.stepped(mb.tokens, *optimizer_step(optimizer, params, hp.max_grad_norm, stats.minibatch_loss))
+            loss = stats.whole_minibatch_loss()
+            stats.stepped(loss, mb.tokens, *optimizer_step(optimizer, params, hp.max_grad_norm, loss))
+        stats.end_epoch()
         if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
             break
     return stats.result()

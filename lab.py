@@ -24,6 +24,7 @@ import advantages
 import compare
 import config
 import grpo
+import logprobs
 import monitor
 import plots
 import policy
@@ -81,7 +82,7 @@ class Lab:
         results = compare.run_settings(settings, common, self.seeds, self.dir(name), metrics, columns,
                                        title=f"{name}: {self.seeds} seeds; common: {common}",
                                        log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True,
-                                       jobs=self.jobs)
+                                       launch=compare.Launch(self.jobs))
         return {key: runs for key, runs in zip(settings, results.values())}
 
 
@@ -177,7 +178,7 @@ def gradient_variance(n_samples: int, repeats: int, micro: int) -> tuple[float, 
         flat = {}
         for mb in (len(texts) * k, micro):
             opt = torch.optim.SGD(model.parameters(), lr=0.0)         # lr 0: the weights stay put
-            grpo.update(model, opt, batch, grpo.HyperParams(mini_batch=len(texts) * k, micro_batch=mb, seed=rep))
+            grpo.update(logprobs.Scorer(model), opt, batch, grpo.HyperParams(mini_batch=len(texts) * k, micro_batch=mb, seed=rep))
             flat[mb] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         gap = max(gap, ((flat[micro] - flat[len(texts) * k]).abs().max() / flat[len(texts) * k].abs().max()).item())
         grads.append(flat[len(texts) * k])

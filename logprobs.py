@@ -7,7 +7,8 @@ Prompts are left-padded, completions right-padded (rollout.py).
     H_t        = logsumexp(z_t) - sum_v softmax(z_t)_v z_v   (token_entropy)
 
 rollout.py calls completion_logprobs to record old and reference log-probs, grpo.py and
-ppo.py call it again in the update; one function, so the ratio compares like with like. It
+ppo.py call it again in the update (through a `Scorer`); one function, so the ratio compares
+like with like. It
 runs the head in float32 with the model's own logit post-processing (head_logits), checked
 against the model's forward when a model is loaded (check_logprobs).
 """
@@ -149,3 +150,24 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
     if return_hidden:
         return logp, entropy, h[:, :-1]                                     # (n, C, H)
     return logp, entropy
+
+
+class Scorer(torch.nn.Module):
+    """What an update differentiates, as one module: forward(tokens) gives the policy's
+    log-probs (n, C) and entropy (n, C) and, with a value head (PPO's, on the policy's last
+    hidden states: ppo.py), its values (n, C); else None.
+
+    One module because DistributedDataParallel (distributed.replicate) all-reduces the
+    gradients only of a forward run through its own call, and completion_logprobs calls the
+    model's parts (its trunk, its LM head), not model(...). In one process it is just the
+    call below; its parameters are the model's, then the value head's."""
+
+    def __init__(self, model, value_head=None):
+        super().__init__()
+        self.model, self.value_head = model, value_head
+
+    def forward(self, tokens: Tokens, temperature: float, entropy_grad: bool):
+        logp, entropy, h = completion_logprobs(self.model, tokens, temperature, with_entropy=True,
+                                               entropy_grad=entropy_grad, return_hidden=True)
+        values = self.value_head(h) if self.value_head is not None else None      # (n, C)
+        return logp, entropy, values

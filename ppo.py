@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 import advantages
+import distributed
 import grpo
 import kl
-import logprobs
 from grpo import HyperParams
 
 
@@ -97,40 +97,40 @@ def prepare(batch, hp: HyperParams) -> None:
         if (hp.kl_in_reward and batch.ref_logp is not None) else None                  # (n, C)
     r = token_rewards(batch.rewards.to(batch.old_logp.device), batch.completion_mask, hp.beta, kl_t)
     adv, batch.returns = advantages.gae(r, batch.old_values, batch.completion_mask, hp.gamma, hp.lam)
-    batch.advantages = advantages.whiten(adv, batch.completion_mask)                   # (n, C)
+    batch.advantages = advantages.whiten(adv, batch.completion_mask,                   # (n, C)
+                                         allsum=distributed.all_sum)     # every rank's tokens
 
 
 # ---- one PPO update ----
 
-def update(model, value_head, optimizer, batch, hp: HyperParams) -> dict:
+def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
     """PPO's losses on one batch (after `prepare`): grpo.update's loop, with the critic's
     value loss added to the policy terms and the value head's parameters stepped too.
 
-    Returns the metrics of grpo.update plus value_loss (token mean of the unweighted value
-    loss)."""
-    model.train()
-    params = list(model.parameters()) + list(value_head.parameters())
+    scorer: logprobs.Scorer(policy, value head), in DDP under torchrun. Returns the metrics of
+    grpo.update plus value_loss (token mean of the unweighted value loss)."""
+    scorer.train()
+    params = list(scorer.parameters())                       # the policy's, then the value head's
     gen = torch.Generator().manual_seed(hp.seed)
     stats = grpo.UpdateStats()
     for _ in range(hp.epochs):
         stats.new_epoch()
         for mb in grpo.minibatches(batch, hp, gen):
             optimizer.zero_grad(set_to_none=True)
-            for idx in mb.micro_batches:
+            for i, idx in enumerate(mb.micro_batches):
                 rows = batch.rows(idx, trim=hp.fast)                              # (n, C) each
-                logp, entropy, h = logprobs.completion_logprobs(model, rows.tokens, hp.temperature,
-                                                                with_entropy=True,
-                                                                entropy_grad=hp.entropy_coef > 0,
-                                                                return_hidden=True)
-                per_token, sums = grpo.policy_loss(logp, rows.old_logp, entropy, rows, hp)  # (n, C)
-                v_loss = value_loss(value_head(h), rows.old_values, rows.returns, hp.value_clip)
-                per_token = per_token + hp.vf_coef * v_loss                           # (n, C)
-                sums["value_loss"] = (v_loss.detach() * rows.mask).sum().item()
-                loss = grpo.aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
-                loss.backward()
+                with distributed.accumulating(scorer, last=i == len(mb.micro_batches) - 1):
+                    logp, entropy, values = scorer(rows.tokens, hp.temperature, hp.entropy_coef > 0)
+                    per_token, sums = grpo.policy_loss(logp, rows.old_logp, entropy, rows, hp)  # (n, C)
+                    v_loss = value_loss(values, rows.old_values, rows.returns, hp.value_clip)
+                    per_token = per_token + hp.vf_coef * v_loss                           # (n, C)
+                    sums["value_loss"] = (v_loss.detach() * rows.mask).sum().item()
+                    loss = grpo.aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
+                    (loss * distributed.size()).backward()         # as in grpo.update
                 stats.add(loss.item(), sums)
-            stats.stepped(mb.tokens, *grpo.optimizer_step(optimizer, params, hp.max_grad_norm,
-                                                          stats.minibatch_loss))
+            loss = stats.whole_minibatch_loss()
+            stats.stepped(loss, mb.tokens, *grpo.optimizer_step(optimizer, params, hp.max_grad_norm, loss))
+        stats.end_epoch()
         if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
             break
     return stats.result()

@@ -50,7 +50,7 @@ def test_micro_batched_gradient_equals_full_batch_gradient(agg):
         model = tiny_model()
         batch = synthetic_batch(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)          # lr 0: keep the weights
-        grpo.update(model, opt, batch, HyperParams(mini_batch=8, micro_batch=micro, beta=0.1,
+        grpo.update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=micro, beta=0.1,
                                                    entropy_coef=0.01, loss_agg=agg, max_len=6))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
@@ -63,7 +63,7 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_unchanged():
     batch.advantages[0] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats = grpo.update(model, opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6,
+    stats = grpo.update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6,
                                                        max_grad_norm=1.0))
     assert stats["skipped_nonfinite"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -110,7 +110,8 @@ def test_grad_norm_is_the_mean_over_mini_batches_and_steps_taken_counts_applied_
             loss = (scales[idx].sum() * w).sum() * (float("nan") if nan_row in idx.tolist() else 1.0)
             loss.backward()
             stats.add(loss.item(), {"approx_kl": 0.0})
-            stats.stepped(3, *grpo.optimizer_step(opt, [w], math.inf, stats.minibatch_loss))
+            loss = stats.whole_minibatch_loss()
+            stats.stepped(loss, 3, *grpo.optimizer_step(opt, [w], math.inf, loss))
             norms.append(2 * scales[idx].sum().item())
         result = stats.result()
         assert result["steps_taken"] == steps and result["skipped_nonfinite"] == 4 - steps
@@ -137,7 +138,7 @@ def first_epoch_ratio_stats(model):
     with torch.no_grad():
         batch.old_logp, _ = logprobs.completion_logprobs(model, batch.tokens())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    return grpo.update(model, opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6))
+    return grpo.update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6))
 
 
 def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():

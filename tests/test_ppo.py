@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import config
+import logprobs
 import ppo
 import train
 from conftest import synthetic_batch, tiny_model
@@ -95,7 +96,7 @@ def run_update(micro, epochs=1, target_kl=0.0):
                      entropy_coef=0.01, max_len=6, epochs=epochs, target_kl=target_kl)
     ppo.prepare(batch, hp)
     opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=0.0)
-    stats = ppo.update(model, head, opt, batch, hp)
+    stats = ppo.update(logprobs.Scorer(model, head), opt, batch, hp)
     grads = torch.cat([p.grad.flatten() for p in list(model.parameters()) + list(head.parameters())])
     return stats, grads
 

@@ -1,0 +1,203 @@
+"""Past one device: data-parallel training under torchrun, and where an advantage's statistics live.
+
+    torchrun --standalone --nproc_per_node 2 train.py --k 8 --norm global     # one machine, 2 processes
+    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 \\
+             --nproc_per_node 8 train.py --k 8 --norm global                  # node 0 of 2 (node 1: --node_rank 1)
+
+torchrun starts W processes (ranks) and gives each RANK, LOCAL_RANK and WORLD_SIZE in its
+environment; `python train.py` sets none of them, and then nothing in this file does anything:
+every helper below is the identity in one process, and no process group is ever made.
+
+How one step is shared out (train.py, grpo.py, ppo.py, advantages.py call the helpers):
+- Prompts go to ranks whole. Every rank draws the same B prompts (one prompt RNG, one seed)
+  and keeps its B/W (`shard`); it samples all K completions of each, with a sampling seed of
+  its own for each step (`sampling_seed`). So a prompt's group lives on one rank, and group
+  norm, Dr. GRPO, RLOO and no-baseline need no communication at all.
+- Batch statistics are summed over ranks (`all_sum`). global, batch and reinforce++-baseline
+  need the mean and std of the whole batch of N = B*K rewards; on rank r with rows R_r:
+
+      n    = sum_r sum_{i in R_r} w_i                     w_i = 1 (or the sequence's length)
+      mean = sum_r sum_{i in R_r} w_i x_i / n             one all-reduce of (n, sum w x)
+      var  = sum_r sum_{i in R_r} w_i (x_i - mean)^2 / (n - c)      a second one; c = 1 for Bessel
+
+  Two rounds rather than one of sum x and sum x^2: sum x^2 / n - mean^2 loses digits when the
+  mean is large next to the spread, and the second round costs one scalar. Computing them per
+  rank instead would silently change the estimator with the number of GPUs (tests show it).
+- The loss divides by the whole mini-batch's count (its tokens for token-mean, its sequences
+  for the other two aggregations), summed over ranks. DDP averages gradients over the W
+  ranks, so each rank's loss is multiplied by W (verl scales by its data-parallel size):
+
+      (1/W) sum_r grad(W * L_r) = grad(sum_r L_r) = grad L,     L_r = sum_{rank r's tokens} loss / T
+
+- The update runs under DistributedDataParallel: gradients are all-reduced in the backward of
+  the last micro-batch of each mini-batch only (`accumulating` is DDP's no_sync for the
+  others); every rank holds N/W sequences cut the same way, so all run the same number of
+  backward passes. The gradient norm is the all-reduced gradient's and the loss is summed
+  over ranks before the non-finite check, so every rank skips a step or none does.
+- Metrics: every rank gathers the others' rollout pieces (`gather`) and computes the step's
+  metrics on the whole batch, so beta, the monitor and every stop decision move the same way
+  on every rank. Held-out evaluation runs on rank 0 alone (the others wait at the next step's
+  first collective): its numbers are what one process gives with the same weights.
+- Only rank 0 writes: logs, samples, checkpoints, summary, plots. On a resume every rank
+  loads rank 0's newest checkpoint (several nodes need the run folder on a shared disk).
+
+Backends: gloo on CPUs, nccl on GPUs (one process per GPU: several processes cannot share a
+GPU under nccl), from the same code.
+"""
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+# ---- who am I ----
+
+def launched() -> bool:
+    """Started by torchrun (it sets WORLD_SIZE); `python train.py` is not."""
+    return "WORLD_SIZE" in os.environ
+
+
+def active() -> bool:
+    """A process group is up (init ran): the collectives below communicate."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def size() -> int:
+    """W, the number of ranks: the process group's, else torchrun's WORLD_SIZE (config.py checks
+    the batch against it before the group exists), else 1."""
+    return dist.get_world_size() if active() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Rank 0: the one that writes files and prints."""
+    return rank() == 0
+
+
+_device = "cpu"        # where the collectives' tensors must live: nccl wants them on the GPU
+
+
+def init(device: str) -> None:
+    """Join torchrun's process group: nccl on a GPU (this rank's GPU = LOCAL_RANK), gloo on CPUs."""
+    global _device
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    _device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+
+
+def close() -> None:
+    if active():
+        dist.destroy_process_group()
+
+
+# ---- the collectives: the identity in one process ----
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over every rank (a new tensor, on x's device)."""
+    if not active():
+        return x
+    y = x.detach().to(_device).clone()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y.to(x.device)
+
+
+def sum_float(x: float) -> float:
+    """A Python number summed over every rank."""
+    return all_sum(torch.tensor([x], dtype=torch.float64)).item() if active() else x
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on at least one."""
+    return sum_float(float(flag)) > 0
+
+
+def gather(obj) -> list:
+    """Every rank's obj (any picklable object), in rank order, on every rank."""
+    if not active():
+        return [obj]
+    out = [None] * size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def concat(parts: dict) -> dict:
+    """Every rank's parts joined in rank order: tensors concatenated along dim 0, lists
+    concatenated, None kept. In one process, parts itself."""
+    if not active():
+        return parts
+    every = gather({key: v.cpu() if torch.is_tensor(v) else v for key, v in parts.items()})
+    joined = {}
+    for key, v in parts.items():
+        pieces = [p[key] for p in every]
+        joined[key] = None if v is None else torch.cat(pieces) if torch.is_tensor(v) else sum(pieces, [])
+    return joined
+
+
+def first_reason(reason: str | None) -> str | None:
+    """A reason to stop that any rank has (a signal reaches one rank at a time): the same
+    answer on every rank, so all stop at the same step."""
+    return next((r for r in gather(reason) if r), None)
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first():
+    """Rank 0 runs the block first (it downloads, converts, warm-starts and fills the caches);
+    the others wait, then run it and find the caches full."""
+    if not is_main():
+        barrier()
+    yield
+    if is_main():
+        barrier()
+
+
+# ---- the split ----
+
+def shard(items: list) -> list:
+    """This rank's share of the step's B prompts: items r*B/W ... (r+1)*B/W - 1 (config.py
+    refuses a B that does not split)."""
+    n = len(items) // size()
+    return items[rank() * n:(rank() + 1) * n]
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """Rank r's sampling seed at a step: distinct for every (seed, rank, step), so no two ranks
+    draw the same completions, and a resumed run draws what it would have drawn."""
+    return ((seed * 1_000_003 + step) * 4099 + rank()) % 2 ** 63     # up to 4099 ranks
+
+
+# ---- the update under DistributedDataParallel ----
+
+def replicate(module: torch.nn.Module) -> torch.nn.Module:
+    """module in DDP under torchrun (its weights broadcast from rank 0 now; its gradients
+    all-reduced, averaged, in every backward that `accumulating` does not hold back); the
+    module itself in one process."""
+    if not active():
+        return module
+    on_gpu = _device.startswith("cuda")
+    return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if on_gpu else None)
+
+
+def accumulating(module, last: bool):
+    """DDP's no_sync for every micro-batch but the last: their gradients add up locally, and
+    the last backward all-reduces the sum once. Forward and backward both go inside it."""
+    if isinstance(module, DistributedDataParallel) and not last:
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def lost_contact(error: BaseException) -> bool:
+    """Whether error is a collective failing because another rank died or hung (gloo and nccl
+    raise RuntimeError, or its subclass DistError): the job must end, with a message."""
+    return active() and (isinstance(error, getattr(dist, "DistError", ())) or
+                         any(word in str(error).lower() for word in ("gloo", "nccl", "connection")))
