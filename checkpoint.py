@@ -81,6 +81,17 @@ class JsonlLog:
         os.close(self.fd)
 
 
+class NoLog:
+    """What a rank other than rank 0 writes its logs to under torchrun: nothing."""
+    lost = 0
+
+    def write(self, row: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def truncate_log(path: Path, last_step: int) -> int:
     """Keep the lines of steps <= last_step (a resumed run redoes the rest). A line that is
     not a whole JSON object (a kill or a full disk mid-write tears the last one) is dropped;

@@ -22,6 +22,7 @@ import torch
 
 import advantages
 import checkpoint
+import distributed
 import grpo
 import kl
 import pretrained
@@ -62,8 +63,10 @@ class Config:
     entropy_coef_end: float = opt(-1.0, "entropy bonus at the last step, linear in between; -1 = no decay")
     loss_agg: str = opt("token-mean", "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
     epochs: int = opt(1, "passes over each batch")
-    mini_batch: int = opt(0, "sequences per optimizer step; 0 = all N (one step per epoch)")
-    micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation); 0 = the whole mini-batch")
+    mini_batch: int = opt(0, "sequences per optimizer step (over all ranks under torchrun); 0 = all N "
+                             "(one step per epoch)")
+    micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation), per rank under "
+                              "torchrun; 0 = the whole mini-batch (this rank's share of it)")
     target_kl: float = opt(0.0, "stop an update's epochs once approx_kl passes this (CleanRL); 0 = off")
     max_grad_norm: float = opt(1.0, "clip the global gradient norm; 0 = off")
     fast: bool = opt(False, "the fast path: old log-probs from the update's own forward (GRPO, one update "
@@ -146,8 +149,9 @@ class Config:
 
 def hyper_params(cfg: Config) -> grpo.HyperParams:
     """The update's and the advantages' settings; train.py replaces beta, entropy_coef and
-    seed each step (kl.py and schedules.py move the first two)."""
-    mini_batch = cfg.mini_batch or cfg.n
+    seed each step (kl.py and schedules.py move the first two). Under torchrun the sizes are
+    one rank's: its N/W sequences, its share of each mini-batch."""
+    mini_batch = (cfg.mini_batch or cfg.n) // distributed.size()
     return grpo.HyperParams(
         mini_batch=mini_batch, micro_batch=cfg.micro_batch or mini_batch, algo=cfg.algo,
         k=cfg.k, norm=cfg.norm, unbiased=cfg.unbiased, adv_clip=cfg.adv_clip or None,
@@ -196,6 +200,9 @@ def validate(cfg: Config) -> Config:
     need(cfg.norm not in advantages.GROUP_NORMS or cfg.k >= 2, "k",
          f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
     need(cfg.batch >= 1, "batch", f"must be >= 1, got {cfg.batch}")
+    ranks = distributed.size()                      # torchrun's WORLD_SIZE; 1 for python train.py
+    need(cfg.batch % ranks == 0, "batch", f"{cfg.batch} prompts per step do not split over {ranks} ranks "
+         f"(torchrun's processes); give a multiple of {ranks}")
     need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
     need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
     cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
@@ -207,9 +214,11 @@ def validate(cfg: Config) -> Config:
     need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
     need(cfg.mini_batch >= 0 and (cfg.mini_batch == 0 or cfg.n % cfg.mini_batch == 0), "mini-batch",
          f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}")
-    mini = cfg.mini_batch or cfg.n
+    need(cfg.mini_batch % ranks == 0, "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}")
+    mini = (cfg.mini_batch or cfg.n) // ranks
     need(cfg.micro_batch >= 0 and (cfg.micro_batch == 0 or mini % cfg.micro_batch == 0), "micro-batch",
-         f"must divide the mini-batch ({mini} sequences) (or be 0), got {cfg.micro_batch}")
+         f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) (or be 0), "
+         f"got {cfg.micro_batch}")
     need(cfg.target_kl >= 0, "target-kl", f"must be >= 0 (0 = off), got {cfg.target_kl}")
     need(0 <= cfg.min_lr <= cfg.lr, "min-lr", f"must be in [0, --lr], got {cfg.min_lr}")
     need(0 <= cfg.warmup_steps < cfg.steps, "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}")
@@ -256,6 +265,9 @@ def validate(cfg: Config) -> Config:
         need(not problem, "model", f"{cfg.model!r}: {problem}")
     need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
     need(not (cfg.overwrite and cfg.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
+    if not distributed.is_main():        # torchrun: rank 0 alone checks, names and writes the folder
+        cfg.out = cfg.out or default_out(cfg)
+        return cfg
     if not cfg.out:                      # the default name, with a fresh suffix if it holds a run
         base = default_out(cfg)
         names = (base if i == 1 else f"{base}-{i}" for i in itertools.count(1))
@@ -331,8 +343,10 @@ def default_out(cfg: Config) -> str:
 
 
 def fail(message: str):
-    """Bad input: one line on stderr, exit code 2, before any work."""
-    print(f"train.py: error: {message}", file=sys.stderr)
+    """Bad input: one line on stderr, exit code 2, before any work. Under torchrun every rank
+    exits, and the first of each machine says why (the others would say the same)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"train.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -67,6 +67,7 @@ import torch
 
 import advantages
 import checkpoint
+import distributed
 import kl
 import plots
 import ppo
@@ -76,23 +77,33 @@ import ppo
 
 def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
     """The metrics of a step's rollouts, before the update: rewards, the task's rates, the
-    advantages (see above) and the KL to the reference. hp: grpo.HyperParams (k, beta, algo)."""
-    mask = batch.completion_mask                                                     # (N, C)
-    finite = torch.isfinite(batch.rewards)                                           # (N,)
-    adv = batch.advantages[mask.bool()] if batch.advantages.dim() == 2 else batch.advantages
-    r = batch.rewards[finite]
+    advantages (see above) and the KL to the reference. hp: grpo.HyperParams (k, beta, algo).
+
+    Under torchrun they are the whole batch's: each rank's pieces (one entry per rollout, or
+    per policy token) are joined over ranks first (distributed.concat), so every rank holds
+    the same numbers, those one process would compute on the same rollouts."""
+    mask = batch.completion_mask.bool()                                              # (N, C)
     kl_t = kl.estimate(batch.old_logp, batch.ref_logp, "k3") \
         if batch.ref_logp is not None and batch.old_logp is not None else None   # (N, C)
+    ppo_critic = hp.algo == "ppo" and batch.returns is not None
+    p = distributed.concat(dict(
+        rewards=batch.rewards, outcomes=list(outcomes), seq_adv=batch.sequence_advantages(),   # (N,)
+        adv=batch.advantages[mask] if batch.advantages.dim() == 2 else batch.advantages,       # the loss's
+        kl=kl_t[mask] if kl_t is not None else None,                                 # (policy tokens,)
+        values=batch.old_values[mask] if ppo_critic else None,
+        returns=batch.returns[mask] if ppo_critic else None))
+    finite = torch.isfinite(p["rewards"])                                            # (N,)
+    r = p["rewards"][finite]
     row = dict(reward_mean=r.mean().item() if len(r) else None,
-               reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(outcomes),
+               reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(p["outcomes"]),
                nonfinite_rewards=int((~finite).sum()),
-               frac_zero_std_groups=advantages.frac_zero_std(batch.rewards, hp.k),
-               adv_abs_mean=adv.abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(adv),
-               frac_adv_negative=(batch.sequence_advantages() < 0).float().mean().item(),
-               kl=(kl_t * mask).sum().item() / mask.sum().item() if kl_t is not None else None,
-               kl_coef=hp.beta)
-    if hp.algo == "ppo" and finite.all():
-        row["explained_variance"] = ppo.explained_variance(batch.old_values, batch.returns, mask)
+               frac_zero_std_groups=advantages.frac_zero_std(p["rewards"], hp.k),
+               adv_abs_mean=p["adv"].abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(p["adv"]),
+               frac_adv_negative=(p["seq_adv"] < 0).float().mean().item(),
+               kl=p["kl"].mean().item() if p["kl"] is not None else None, kl_coef=hp.beta)
+    if ppo_critic and finite.all():
+        row["explained_variance"] = ppo.explained_variance(p["values"], p["returns"],
+                                                           torch.ones_like(p["values"]))
     return row
 
 

@@ -20,6 +20,11 @@ checkpoints (checkpoint.py).
 The run's folder (--out) holds config.json, metrics.jsonl (every metric: report.py),
 samples.jsonl, summary.json, curves.png and, with --save-every, checkpoints/ (`--resume RUN`
 continues from the newest).
+
+    torchrun --standalone --nproc_per_node 2 train.py --k 8 --norm global   # the same run on 2 processes
+
+Under torchrun each rank runs this file on its share of every step's prompts; the lines that
+differ call distributed.py, whose helpers do nothing in one process (its docstring has the maths).
 """
 import contextlib
 import copy
@@ -38,6 +43,7 @@ from safetensors import SafetensorError
 
 import checkpoint
 import config
+import distributed
 import evaluate
 import grpo
 import kl
@@ -87,6 +93,8 @@ class Learner:
     optimizer: torch.optim.Optimizer
     sampling: tasks.Sampling
     autocast: Callable               # bf16 autocast on a GPU; nothing on a CPU
+    scorer: torch.nn.Module          # what the update differentiates: logprobs.Scorer(policy, value
+                                     # head), in DDP under torchrun (distributed.replicate)
 
 
 def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
@@ -96,10 +104,17 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
     episodes), the step's rollout metrics (report.rollout_metrics) and the update's
     statistics (report.no_update's when no update was taken)."""
     models = learner.models
-    with learner.autocast():
-        batch, outcomes = learner.task.sample(models, prompts, hp.k, learner.sampling,
-                                              record_old_logp=not hp.reuse_old_logp)   # rewards (N,)
-    finite = bool(torch.isfinite(batch.rewards).all())
+    try:
+        with learner.autocast():
+            batch, outcomes = learner.task.sample(models, prompts, hp.k, learner.sampling,
+                                                  record_old_logp=not hp.reuse_old_logp)   # rewards (N,)
+    except rollout.NonFiniteLogits:
+        batch = None
+    # Under torchrun every decision that skips work is taken by all ranks together
+    # (distributed.any_rank), or one rank would wait forever in a collective the others skip.
+    if distributed.any_rank(batch is None):
+        raise rollout.NonFiniteLogits("non-finite logits while sampling (on this rank or another)")
+    finite = not distributed.any_rank(not torch.isfinite(batch.rewards).all())
     if not finite:
         # A reward function returned NaN/inf: no update this step, and the bad values are
         # never averaged into any metric.
@@ -113,15 +128,15 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
 
     # GRPO without KL or entropy terms has nothing to learn from all-zero advantages (and
     # AdamW's momentum would still move the weights); PPO always has its value loss.
-    no_signal = hp.algo == "grpo" and bool((batch.advantages == 0).all()) and hp.beta == 0 \
-        and hp.entropy_coef == 0
-    all_fallback = hp.skip_all_fallback and row.get("fallback_rate") == 1.0
+    no_signal = hp.algo == "grpo" and not distributed.any_rank((batch.advantages != 0).any()) \
+        and hp.beta == 0 and hp.entropy_coef == 0
+    all_fallback = hp.skip_all_fallback and row.get("fallback_rate") == 1.0     # the whole batch's
     if finite and not no_signal and not all_fallback:
         with learner.autocast():
             if hp.algo == "grpo":
-                stats = grpo.update(models.model, learner.optimizer, batch, hp)
+                stats = grpo.update(learner.scorer, learner.optimizer, batch, hp)
             else:
-                stats = ppo.update(models.model, models.value_head, learner.optimizer, batch, hp)
+                stats = ppo.update(learner.scorer, learner.optimizer, batch, hp)
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")
@@ -200,24 +215,31 @@ def start(cfg: Config, out: Path) -> Run:
     """Load the policy, build the optimizer and controllers, resume if asked, open the logs
     and evaluate at step 0."""
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
-    log = (lambda *a: None) if cfg.quiet else (lambda s: print(s, file=sys.stderr))
+    main = distributed.is_main()                     # rank 0 (always, in one process) writes and prints
+    log = (lambda *a: None) if cfg.quiet or not main else (lambda s: print(s, file=sys.stderr))
     started = time.time()
-    if cfg.overwrite and not cfg.resume:
+    if distributed.launched():
+        distributed.init(device)                     # torchrun: join the other ranks
+        out = Path(distributed.gather(str(out))[0])  # rank 0's folder (messages name it)
+        log(f"torchrun: {distributed.size()} ranks ({'nccl' if device == 'cuda' else 'gloo'}), "
+            f"{cfg.batch // distributed.size()} of the {cfg.batch} prompts of a step each")
+    if cfg.overwrite and not cfg.resume and main:
         checkpoint.clear_run(out, config.RUN_FILES)
         log(f"--overwrite: removed the earlier run's files from {out}")
     task = TASKS[cfg.task]
-    model, tok = load(cfg, task, device, log)
+    with distributed.main_first():                   # rank 0 fills the model and warm-start caches
+        model, tok = load(cfg, task, device, log)
+    value_head = ppo.ValueHead(model.config.hidden_size).to(device) if cfg.algo == "ppo" else None
+    scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
     # The reference is the warm start, also when resuming: load() always returns it.
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
-    value_head = ppo.ValueHead(model.config.hidden_size).to(device) if cfg.algo == "ppo" else None
-    params = list(model.parameters()) + (list(value_head.parameters()) if value_head else [])
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(scorer.parameters(), lr=cfg.lr, weight_decay=0.0)
     # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer,
-                      config.sampling(cfg), autocast)
+                      config.sampling(cfg), autocast, scorer)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
     stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,
@@ -225,7 +247,7 @@ def start(cfg: Config, out: Path) -> Run:
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     state = RunState()
-    if cfg.resume:
+    if cfg.resume:                                   # every rank loads rank 0's checkpoint
         saved, used = checkpoint.restore_newest(Path(cfg.resume), model, optimizer, rng, log)
         state = RunState.from_checkpoint(saved)
         stability.load_state_dict(state.monitor)
@@ -233,17 +255,20 @@ def start(cfg: Config, out: Path) -> Run:
         if value_head is not None:
             value_head.load_state_dict(state.value_head)
         for name in ("metrics.jsonl", "samples.jsonl"):
-            torn = checkpoint.truncate_log(out / name, state.step)
+            torn = checkpoint.truncate_log(out / name, state.step) if main else 0
             if torn:
                 log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
         log(f"resumed from {used} at step {state.step}")
     ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on), indent=2))
+    if distributed.launched():
+        ran_on += f" x {distributed.size()} ranks (torchrun)"
+    if main:
+        (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on), indent=2))
+    logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
+            for name in ("metrics.jsonl", "samples.jsonl")]
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
-              {split: task.prompts(split) for split in ("train", "eval")},
-              checkpoint.JsonlLog(out / "metrics.jsonl", append=bool(cfg.resume)),
-              checkpoint.JsonlLog(out / "samples.jsonl", append=bool(cfg.resume)), log, started)
-    if state.first_eval is None:
+              {split: task.prompts(split) for split in ("train", "eval")}, *logs, log, started)
+    if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
         held_out(run, row := {"step": 0})                    # before any update: evaluation only
         state.first_eval = state.last_eval
         run.metrics.write(row)
@@ -338,44 +363,87 @@ def train(cfg: Config) -> dict:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     out = Path(cfg.out or default_out(cfg))
-    out.mkdir(parents=True, exist_ok=True)
-    with checkpoint.RunLock(out):            # one run per folder, for as long as this one runs
+    main = distributed.is_main()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock)
+    with checkpoint.RunLock(out) if main else contextlib.nullcontext():
         run = start(cfg, out)
         state, task = run.state, run.learner.task
         with checkpoint.Interrupts(run.log) as interrupts:
             for step in range(state.step + 1, cfg.steps + 1):
-                t0 = time.time()
-                hp = step_hyper_params(run, step)
-                prompts = run.rng.sample(run.prompts["train"], cfg.batch) \
-                    if cfg.batch <= len(run.prompts["train"]) else run.rng.choices(run.prompts["train"], k=cfg.batch)
                 try:
-                    batch, outcomes, row, stats = rl_step(run.learner, prompts, hp)
-                except rollout.NonFiniteLogits:       # nothing could be sampled: a non-finite step
-                    batch, row, stats = None, report.no_rollout(task), report.no_update("logits")
-                row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],
-                       "entropy_coef": hp.entropy_coef}
-                state.stopped = account(run, row, stats, interrupts.signal)
-                # a stopped run is evaluated where it stops, so its eval_*_end are its own
-                if (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None:
-                    held_out(run, row)
-                row["seconds"] = time.time() - t0
-                run.metrics.write(row)
-                if batch is not None:
-                    run.samples.write({"step": step, "split": "train", "samples": report.train_samples(
-                        batch, outcomes, prompts, task, cfg.log_samples)})
-                report.progress(cfg, task, row, state.last_eval)
-                if state.stopped or (cfg.save_every and step % cfg.save_every == 0):
-                    path = save(run)
-                if state.stopped:
-                    saved = f"weights saved in {path} (resume with --resume {out})" if path else "no checkpoint written"
-                    run.log(f"stopped at step {step}: {state.stopped}; {saved}")
-                    break
+                    if one_step(run, step, interrupts):
+                        break
+                except RuntimeError as e:                # torchrun: another rank died or hung
+                    if not distributed.lost_contact(e):
+                        raise
+                    run.metrics.close()
+                    run.samples.close()
+                    raise RankLost(lost_rank_message(run, e)) from e
         state.interrupted = interrupts.signal
         run.metrics.close()
         run.samples.close()
+        if not main:                                     # rank 0 writes the summary
+            return dict(stopped=state.stopped, interrupted=state.interrupted)
         state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
         state.seconds += time.time() - run.started       # the whole run's, over every resume
         return report.finish(task, out, state, run.stability.episodes, run.log)
+
+
+def one_step(run: Run, step: int, interrupts: checkpoint.Interrupts) -> bool:
+    """Step `step`: its prompts (this rank's share of them), rl_step, the bookkeeping, the
+    held-out evaluation when due, the logs, a checkpoint when due. True: the run stops here."""
+    cfg, state, task = run.cfg, run.state, run.learner.task
+    t0 = time.time()
+    hp = step_hyper_params(run, step)
+    prompts = run.rng.sample(run.prompts["train"], cfg.batch) \
+        if cfg.batch <= len(run.prompts["train"]) else run.rng.choices(run.prompts["train"], k=cfg.batch)
+    prompts = distributed.shard(prompts)             # torchrun: this rank's B/W of them, groups whole
+    if distributed.launched():
+        torch.manual_seed(distributed.sampling_seed(cfg.seed, step))   # its own draws, each step
+    try:
+        batch, outcomes, row, stats = rl_step(run.learner, prompts, hp)
+    except rollout.NonFiniteLogits:       # nothing could be sampled: a non-finite step
+        batch, row, stats = None, report.no_rollout(task), report.no_update("logits")
+    row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],
+           "entropy_coef": hp.entropy_coef}
+    # a signal reaches one rank at a time: every rank stops at the step any of them got one
+    # (the step's last collective; account's other inputs are the same on every rank)
+    state.stopped = account(run, row, stats, distributed.first_reason(interrupts.signal))
+    main = distributed.is_main()
+    # a stopped run is evaluated where it stops, so its eval_*_end are its own
+    if (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None and main:
+        held_out(run, row)
+    row["seconds"] = time.time() - t0
+    run.metrics.write(row)
+    if batch is not None:
+        run.samples.write({"step": step, "split": "train", "samples": report.train_samples(
+            batch, outcomes, prompts, task, cfg.log_samples)})
+    if main:
+        report.progress(cfg, task, row, state.last_eval)
+    path = None
+    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main:
+        path = save(run)
+    if state.stopped:
+        saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"
+        run.log(f"stopped at step {step}: {state.stopped}; {saved}")
+    return bool(state.stopped)
+
+
+class RankLost(RuntimeError):
+    """Under torchrun, a collective failed: another rank died (killed, crashed) or hung."""
+
+
+def lost_rank_message(run: Run, error: RuntimeError) -> str:
+    """One line: which rank saw what, where the log ends, and how to go on."""
+    newest = checkpoint.find(run.out)
+    how = (f"continue from {newest.name} with: torchrun --nproc_per_node {distributed.size()} train.py "
+           f"--resume {run.out}" if newest else "no checkpoint was written (--save-every 0): it cannot be resumed")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"rank {distributed.rank()} of {distributed.size()} lost contact with another rank during step "
+            f"{run.state.step + 1} ({first[-160:]}); the job ends. metrics.jsonl holds every step up to "
+            f"{run.state.step}; {how}")
 
 
 if __name__ == "__main__":
@@ -384,6 +452,11 @@ if __name__ == "__main__":
         summary = train(cfg)
     except (pretrained.ModelError, checkpoint.ResumeError, checkpoint.RunBusy) as e:  # before training
         fail(str(e))
+    except RankLost as e:
+        print(f"train.py: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        distributed.close()
     # 128 + the signal's number (130 Ctrl-C, 143 SIGTERM), as a shell reports a killed job
     sys.exit(128 + checkpoint.SIGNALS[summary["interrupted"]] if summary["interrupted"]
              else 1 if summary["stopped"] else 0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 # The lesson and wiring modules: everything a reader follows through one training step.
-MODULES = ("advantages", "config", "evaluate", "grpo", "kl", "logprobs", "policy", "ppo", "pretrained", "report",
+MODULES = ("advantages", "config", "distributed", "evaluate", "grpo", "kl", "logprobs", "policy", "ppo", "pretrained", "report",
            "rewards", "rollout", "schedules", "tasks", "tool_env", "tool_task", "train", "workflow_task")
 MAX_PARAMETERS = 8
 ONE_SCREEN = 50                                        # lines, docstring included

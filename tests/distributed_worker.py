@@ -1,0 +1,113 @@
+"""Run by tests/test_distributed.py under `torchrun --nproc_per_node 2` (gloo, CPU): one batch of
+rollouts split over the ranks, prompts whole, and everything that must not depend on the
+number of ranks computed on this rank's share: the advantages of every estimator (with the
+sums over ranks, and without them), PPO's whitened advantages, one GRPO update's gradient for
+every loss aggregation (and with per-rank denominators), one PPO update's, and the step's
+metrics. Rank r saves them to OUT/rank{r}.pt; the test computes the one-process values on
+the whole batch (`one_process`) and compares.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT
+"""
+import dataclasses
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))           # conftest (it puts the repo on the path)
+from conftest import synthetic_batch, tiny_model  # noqa: E402
+
+import advantages  # noqa: E402
+import distributed  # noqa: E402
+import grpo  # noqa: E402
+import logprobs  # noqa: E402
+import ppo  # noqa: E402
+import report  # noqa: E402
+import workflow_task  # noqa: E402
+from rollout import completion_mask  # noqa: E402
+
+B, K = 4, 4                                              # N = 16 rollouts, 8 per rank
+N = B * K
+# group 0 mixed, group 1 all equal (no signal), groups 2 and 3 of different spreads
+REWARDS = torch.tensor([1.0, 0.2, 0.0, 0.2, 0.2, 0.2, 0.2, 0.2, 1.0, 1.0, 0.0, 0.2, 0.0, 0.0, 0.0, 1.0])
+CLASSES = ["best" if r == 1.0 else "valid" if r == 0.2 else "junk" for r in REWARDS.tolist()]
+
+
+def whole_batch():
+    """The batch every rank and the one-process reference start from: 16 rollouts of random
+    tokens, of unequal lengths (rows 0, 3, 6, ... end early, rows 1 and 2 earlier still: rank 0
+    of 2 holds fewer policy tokens than rank 1), rewards above, values for PPO, and random
+    per-token advantages for PPO's whitening."""
+    model = tiny_model()
+    batch = synthetic_batch(model, n=N, seed=3)
+    batch.completion_ids[1:3, 1] = 1                                                     # EOS
+    batch.completion_mask = completion_mask(batch.completion_ids, 1)
+    batch.rewards = REWARDS.clone()
+    gen = torch.Generator().manual_seed(4)
+    batch.old_values = 0.1 * torch.randn(batch.completion_mask.shape, generator=gen)     # (N, C)
+    batch.advantages = torch.randn(batch.completion_mask.shape, generator=gen)           # (N, C)
+    return batch
+
+
+def take(batch, rows: slice):
+    """The rows of a batch as a batch of their own (a rank's share)."""
+    cut = {f.name: getattr(batch, f.name)[rows] for f in dataclasses.fields(batch)
+           if torch.is_tensor(getattr(batch, f.name))}
+    return dataclasses.replace(batch, texts=batch.texts[rows], **cut)
+
+
+def hyper(algo: str, agg: str, ranks: int) -> grpo.HyperParams:
+    """Each rank's settings: its half of the mini-batch, two micro-batches of it (no_sync once)."""
+    return grpo.HyperParams(mini_batch=N // ranks, micro_batch=N // ranks // 2, algo=algo, k=K,
+                            beta=0.1, entropy_coef=0.01, loss_agg=agg, max_len=6, kl_in_reward=algo == "ppo")
+
+
+def gradient(batch, hp: grpo.HyperParams) -> tuple[torch.Tensor, dict]:
+    """One update from the same starting weights (SGD at lr 0: the weights stay, the gradient
+    stays in .grad); the gradient over every parameter, flat, and the update's statistics."""
+    model = tiny_model()
+    head = ppo.ValueHead(model.config.hidden_size) if hp.algo == "ppo" else None
+    if head is not None:
+        torch.nn.init.normal_(head.linear.weight, std=0.1, generator=torch.Generator().manual_seed(5))
+    scorer = distributed.replicate(logprobs.Scorer(model, head))
+    opt = torch.optim.SGD(scorer.parameters(), lr=0.0)
+    if hp.algo == "ppo":
+        ppo.prepare(batch, hp)
+        stats = ppo.update(scorer, opt, batch, hp)
+    else:
+        stats = grpo.update(scorer, opt, batch, hp)
+    return torch.cat([p.grad.flatten() for p in scorer.parameters()]), stats
+
+
+def compute(batch, classes: list, ranks: int) -> dict:
+    """Everything compared, on this process's batch (a rank's share, or the whole batch)."""
+    lengths = batch.completion_mask.sum(1)
+    out = {"adv": {}, "adv_per_rank": {}, "grad": {}, "stats": {}}
+    for norm in advantages.NORMS:
+        out["adv"][norm] = advantages.compute(batch.rewards, K, norm, lengths=lengths, allsum=distributed.all_sum)
+        out["adv_per_rank"][norm] = advantages.compute(batch.rewards, K, norm, lengths=lengths)
+    out["whitened"] = advantages.whiten(batch.advantages, batch.completion_mask, allsum=distributed.all_sum)
+    batch.advantages = out["adv"]["global"].clone()
+    for agg in grpo.AGGREGATIONS:
+        out["grad"][agg], out["stats"][agg] = gradient(batch, hyper("grpo", agg, ranks))
+    # the bug: each rank's token mean, DDP's average of them (no sums over ranks, no W scale)
+    with mock.patch.object(distributed, "all_sum", lambda x: x), mock.patch.object(distributed, "size", lambda: 1):
+        out["grad_per_rank_counts"], _ = gradient(batch, hyper("grpo", "token-mean", ranks))
+    out["grad"]["ppo"], out["stats"]["ppo"] = gradient(batch, hyper("ppo", "token-mean", ranks))
+    batch.advantages = out["adv"]["group"].clone()
+    out["metrics"] = report.rollout_metrics(batch, classes, workflow_task, hyper("grpo", "token-mean", ranks))
+    return out
+
+
+def one_process() -> dict:
+    """The reference: the whole batch in this one process."""
+    return compute(whole_batch(), CLASSES, 1)
+
+
+if __name__ == "__main__":
+    distributed.init("cpu")
+    r, w = distributed.rank(), distributed.size()
+    share = slice(r * N // w, (r + 1) * N // w)            # whole groups: K divides N / w
+    torch.save(compute(take(whole_batch(), share), CLASSES[share], w), Path(sys.argv[1]) / f"rank{r}.pt")
+    distributed.close()
