@@ -10,6 +10,8 @@ runs ended off-format (held-out valid rate < 0.5), the crash-after-update rate a
 floor (what a frozen policy would score at the same on-format rates: monitor.py), and
 draws OUT/compare.png: held-out best rate per step, a thin line per seed and the mean.
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
+
+    python compare.py --seeds 3 --nproc 2 --out runs/ddp2 "--k 8 --norm global"   # each run under torchrun
 """
 import argparse
 import json
@@ -20,6 +22,7 @@ import statistics
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -34,15 +37,25 @@ import tasks
 import train
 
 
-def run_one(argv: list, jobs: int) -> dict:
-    """One train.py run (argv includes --seed and --out); its summary. jobs == 1: in this
-    process. jobs > 1: as a process of its own, one of `jobs` at a time, each with its share
-    of the CPU threads, so seeds run side by side on a many-core or GPU machine."""
-    if jobs == 1:
+@dataclass(frozen=True)
+class Launch:
+    """How each run is started."""
+    jobs: int = 1        # runs at a time, each a process of its own when > 1
+    nproc: int = 1       # processes per run: > 1 starts each run under torchrun (distributed.py)
+
+
+def run_one(argv: list, launch: Launch) -> dict:
+    """One train.py run (argv includes --seed and --out); its summary. One job of one process:
+    in this process. Else as a process of its own (under torchrun with launch.nproc ranks),
+    one of launch.jobs at a time, each process with its share of the CPU threads, so seeds
+    run side by side on a many-core or GPU machine."""
+    if launch == Launch():
         summary = train.train(config.parse_config(argv))
     else:
-        threads = str(max(1, (os.cpu_count() or 1) // jobs))
-        done = subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *argv],
+        threads = str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
+        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.nproc}"]
+        done = subprocess.run([sys.executable, *(torchrun if launch.nproc > 1 else []),
+                               str(Path(__file__).with_name("train.py")), *argv],
                               env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True)
         out = Path(argv[argv.index("--out") + 1])
         if not (out / "summary.json").exists():     # it ended before it could write its summary
@@ -54,13 +67,11 @@ def run_one(argv: list, jobs: int) -> dict:
     return summary
 
 
-def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, jobs: int = 1) -> list[dict]:
+def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, launch: Launch = Launch()) -> list[dict]:
     runs = [argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"] + ["--overwrite"] * overwrite
             for seed in range(seeds)]
-    if jobs == 1:
-        return [run_one(r, 1) for r in runs]
-    with ThreadPoolExecutor(jobs) as pool:          # threads that each wait on a process
-        return list(pool.map(lambda r: run_one(r, jobs), runs))
+    with ThreadPoolExecutor(launch.jobs) as pool:   # threads that each wait on a process
+        return list(pool.map(lambda r: run_one(r, launch), runs))
 
 
 def slug(setting: str) -> str:
@@ -163,11 +174,16 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace the runs already under --out")
     p.add_argument("--model", default="", help="train.py --model for every run (e.g. smollm2-135m)")
     p.add_argument("--jobs", type=int, default=1, help="seeds run as this many parallel processes")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes per run: > 1 runs each under torchrun --nproc_per_node NPROC")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {args.nproc}")
+
     if args.model:
         args.common = f"--model {shlex.quote(args.model)} {args.common}"
     common = shlex.split(args.common)
@@ -179,18 +195,20 @@ def main(argv=None):
                     f"under {str(args.out)!r}, another --out keeps them")
         c = config.parse_config(common + shlex.split(s) + ["--overwrite"] * args.overwrite +
                                 ["--out", str(args.out / "runs" / slug(s) / "s0")])
+        if c.batch % args.nproc:
+            p.error(f"--nproc: setting {s!r} has --batch {c.batch}, which does not split over {args.nproc} ranks")
         unknown = [col for col in columns if col not in report.summary_keys(tasks.TASKS[c.task])]
         if unknown:
             p.error(f"--columns: {unknown[0]!r} is not a summary.json key of --task {c.task}; one of: "
                     f"{', '.join(sorted(report.summary_keys(tasks.TASKS[c.task])))}")
     results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","),
-                           columns, overwrite=args.overwrite, jobs=args.jobs)
+                           columns, overwrite=args.overwrite, launch=Launch(args.jobs, args.nproc))
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 
 def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("eval_best_rate",),
-                 columns=(), title: str = "", log=print, overwrite: bool = False, jobs: int = 1) -> dict:
+                 columns=(), title: str = "", log=print, overwrite: bool = False, launch: Launch = Launch()) -> dict:
     """Run every setting over seeds into out/runs/<setting>/s<seed>/ (overwrite: replacing the
     runs there); write out/table.md, out/summaries.json and out/compare.png; return
     {setting: [summary per seed]}."""
@@ -198,7 +216,7 @@ def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("e
     for s in settings:
         name = " ".join(shlex.split(s))
         results[name] = run_setting(shlex.split(common) + shlex.split(s), seeds, out / "runs" / slug(s),
-                                    overwrite, jobs)
+                                    overwrite, launch)
         log(f"finished {name}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results, columns) + "\n")

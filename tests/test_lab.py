@@ -42,7 +42,7 @@ def test_a_failing_job_names_its_command_and_last_line(tmp_path):
     import compare
     import pytest
     with pytest.raises(RuntimeError, match=r"exited 2: .*--layers"):
-        compare.run_one(["--layers", "0", "--out", str(tmp_path / "r")], jobs=2)
+        compare.run_one(["--layers", "0", "--out", str(tmp_path / "r")], compare.Launch(jobs=2))
 
 
 def test_on_a_real_model_the_lab_scales_lr_and_steps_and_keeps_k_and_b(tmp_path):
