@@ -23,6 +23,10 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
     frac_zero_std(rewards, k)                share of groups that carry no signal
     frac_pm1(advantages)                     share of advantages that are exactly +-1
 
+Under torchrun (distributed.py) each process holds whole groups of K, so the group estimators
+need nothing from the others; global, batch and reinforce++-baseline take `allsum`, a sum over
+processes, for the batch's mean and std (batch_mean_std), as whiten does for PPO.
+
 The lesson of report 001 (../shared/seeds/001_*.txt). With K=2 and group normalisation,
 a group [r1, r2] has mean (r1+r2)/2 and population std |r1-r2|/2, so
 

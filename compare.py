@@ -154,8 +154,9 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
             low, high = min(ax.get_ylim()[0] for ax in used), max(ax.get_ylim()[1] for ax in used)
             for ax in used:
                 ax.set_ylim(low, high)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    lines = textwrap.wrap(title, 44 * cols)
+    fig.suptitle("\n".join(lines), fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.2 * (len(lines) + 0.5) / fig.get_figheight()))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
@@ -221,7 +222,9 @@ def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("e
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results, columns) + "\n")
     (out / "summaries.json").write_text(json.dumps(results, indent=1))
-    figure(results, out / "compare.png", title or f"{seeds} seeds; common: {common or 'defaults'}", metrics)
+    first = json.loads((Path(next(iter(results.values()))[0]["out"]) / "config.json").read_text())
+    title = title or f"{seeds} seeds; common: {common or 'defaults'}"
+    figure(results, out / "compare.png", f"{title}; {plots.made_by(first)}", metrics)
     return results
 
 

@@ -80,6 +80,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def made_by(cfg: dict) -> str:
+    """Which model on which device made a run (its config.json), for a figure's title."""
+    return f"{cfg.get('model') or 'tiny Qwen2'} on {cfg.get('ran_on', '?')}"
+
+
 def plot_run(run_dir: Path) -> Path:
     """run_dir/curves.png: rates, advantage diagnostics and update statistics per step."""
     run_dir = Path(run_dir)
@@ -119,9 +124,8 @@ def plot_run(run_dir: Path) -> Path:
     algo = cfg.get("algo", "grpo")
     norm = f"norm={cfg['norm']}  " if algo == "grpo" else ""
     task = f"tools ({cfg['reward']} reward)  " if tools else ""
-    model = f"{cfg.get('model') or 'tiny Qwen2'} on {cfg.get('ran_on', '?')}"
     fig.suptitle(f"{task}{algo.upper()}  K={cfg['k']}  B={cfg['batch']}  {norm}lr={cfg['lr']:g}  "
-                 f"seed={cfg['seed']}  ({len(steps)} steps)  {model}")
+                 f"seed={cfg['seed']}  ({len(steps)} steps)  {made_by(cfg)}")
     fig.tight_layout()
     path = run_dir / "curves.png"
     fig.savefig(path, dpi=90)

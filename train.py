@@ -259,7 +259,7 @@ def start(cfg: Config, out: Path) -> Run:
             if torn:
                 log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
         log(f"resumed from {used} at step {state.step}")
-    ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
     if distributed.launched():
         ran_on += f" x {distributed.size()} ranks (torchrun)"
     if main:
@@ -440,9 +440,11 @@ def lost_rank_message(run: Run, error: RuntimeError) -> str:
     newest = checkpoint.find(run.out)
     how = (f"continue from {newest.name} with: torchrun --nproc_per_node {distributed.size()} train.py "
            f"--resume {run.out}" if newest else "no checkpoint was written (--save-every 0): it cannot be resumed")
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # gloo's "[.../pair.cc:537] Read error [host]:port: Connection reset by peer. This is ..."
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = first.split("] ", 1)[-1].split(". ")[0][:160]
     return (f"rank {distributed.rank()} of {distributed.size()} lost contact with another rank during step "
-            f"{run.state.step + 1} ({first[-160:]}); the job ends. metrics.jsonl holds every step up to "
+            f"{run.state.step + 1} ({first}); the job ends. metrics.jsonl holds every step up to "
             f"{run.state.step}; {how}")
 
 
