@@ -70,6 +70,8 @@ def run_one(argv: list, launch: Launch) -> dict:
 def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, launch: Launch = Launch()) -> list[dict]:
     runs = [argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"] + ["--overwrite"] * overwrite
             for seed in range(seeds)]
+    if launch.jobs == 1:                            # in this (main) thread: Ctrl-C stops a run cleanly
+        return [run_one(r, launch) for r in runs]
     with ThreadPoolExecutor(launch.jobs) as pool:   # threads that each wait on a process
         return list(pool.map(lambda r: run_one(r, launch), runs))
 

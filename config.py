@@ -344,9 +344,9 @@ def default_out(cfg: Config) -> str:
 
 def fail(message: str):
     """Bad input: one line on stderr, exit code 2, before any work. Under torchrun every rank
-    exits, and the first of each machine says why (the others would say the same)."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"train.py: error: {message}", file=sys.stderr)
+    prints its line: torchrun stops the others as soon as one exits, so a rank left to speak
+    for all might be stopped before it could."""
+    print(f"train.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
