@@ -158,7 +158,7 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
                 ax.set_ylim(low, high)
     lines = textwrap.wrap(title, 44 * cols)
     fig.suptitle("\n".join(lines), fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.2 * (len(lines) + 0.5) / fig.get_figheight()))
+    fig.tight_layout(rect=(0, 0, 1, max(0.7, 1 - 0.2 * (len(lines) + 0.5) / fig.get_figheight())))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
