@@ -75,7 +75,7 @@ class Lab:
                       flags)
 
     def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=()):
-        common = self.shrink(common) + (" --eval-every 2 --eval-samples 1" if self.quick else "") \
+        common = self.shrink(common) + (" --eval-every 5 --eval-samples 1" if self.quick else "") \
             + (f" --model {self.model}" if self.model else "")
         settings = [self.shrink(s) for s in settings]
         # an experiment's rerun replaces its own runs: lab.py owns its --out folder

@@ -106,7 +106,7 @@ def test_non_finite_rewards_skip_the_update_and_are_never_averaged_in(tmp_path, 
 # ---- crash-safe logs and exact resume ----
 
 def test_kill_9_mid_run_leaves_logs_that_parse_line_by_line_and_resume_matches(tmp_path):
-    extra = ["--steps", "300", "--save-every", "5", "--eval-every", "7"]
+    extra = ["--steps", "60", "--save-every", "5", "--eval-every", "7"]     # killed at step ~10
     argv = flags(tmp_path, "killed", *extra)
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT)
     ckpt = tmp_path / "killed" / "checkpoints" / "step-000010"
@@ -117,7 +117,7 @@ def test_kill_9_mid_run_leaves_logs_that_parse_line_by_line_and_resume_matches(t
     proc.wait()
     rows = read(tmp_path / "killed" / "metrics.jsonl")            # every line parses
     read(tmp_path / "killed" / "samples.jsonl")
-    assert 10 <= rows[-1]["step"] < 300, "the run was not interrupted mid-way"
+    assert 10 <= rows[-1]["step"] < 60, "the run was not interrupted mid-way"
     assert [r["step"] for r in rows] == list(range(rows[-1]["step"] + 1))
 
     # Resume the killed run, and run the same configuration without interruption.
