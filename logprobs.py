@@ -8,9 +8,8 @@ Prompts are left-padded, completions right-padded (rollout.py).
 
 rollout.py calls completion_logprobs to record old and reference log-probs, grpo.py and
 ppo.py call it again in the update (through a `Scorer`); one function, so the ratio compares
-like with like. It
-runs the head in float32 with the model's own logit post-processing (head_logits), checked
-against the model's forward when a model is loaded (check_logprobs).
+like with like. It runs the head in float32 with the model's own logit post-processing
+(head_logits), checked against the model's forward when a model is loaded (check_logprobs).
 """
 from typing import NamedTuple
 
