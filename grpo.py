@@ -28,7 +28,8 @@ One update, as `update` below writes it out:
             loss.backward()                             gradients add up over micro-batches
         optimizer_step(...)                             clip the norm, skip a NaN/inf step
 
-ppo.py runs the same loop with a value loss added. Under torchrun (distributed.py) the same
+ppo.py runs the same loop with a value loss added; --algo rce runs it with rce.py's
+reward-weighted cross-entropy in place of the surrogate. Under torchrun (distributed.py) the same
 loop runs on every rank over its share of the batch: the scorer is in DDP, the loss's
 denominators and the batch statistics are the whole batch's, the loss is scaled by the
 number of ranks; in one process those lines do nothing. Every knob is a field of HyperParams,
@@ -43,6 +44,7 @@ import torch
 import advantages
 import distributed
 import kl
+import rce
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class HyperParams:
     entropy_coef and seed each step). The defaults are the command line's."""
     mini_batch: int                  # sequences per optimizer step (N: one step per epoch)
     micro_batch: int                 # sequences per forward/backward (gradient accumulation)
-    algo: str = "grpo"               # grpo | ppo
+    algo: str = "grpo"               # grpo | ppo | rce (rce.py: the same loop, another loss)
     # advantages (prepare)
     k: int = 8                       # samples per prompt: rows i*K ... i*K+K-1 share a prompt
     norm: str = "global"             # advantages.compute's estimator
@@ -72,6 +74,7 @@ class HyperParams:
     temperature: float = 1.0         # the sampling temperature: log-probs of softmax(z / T)
     vf_coef: float = 0.5             # PPO: weight of the value loss
     value_clip: float = 0.2          # PPO: value-loss clip around the old values; 0 = off
+    rce_temp: float = 1.0            # RCE: this step's softmax temperature tau (rce.py)
     # the optimisation
     epochs: int = 1                  # passes over the batch
     max_grad_norm: float = math.inf  # clip the global gradient norm (inf: measure only)
@@ -291,9 +294,12 @@ def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
                 # DDP: gradients all-reduced in the last micro-batch's backward only
                 with distributed.accumulating(scorer, last=i == len(mb.micro_batches) - 1):
                     logp, entropy, _ = scorer(rows.tokens, hp.temperature, hp.entropy_coef > 0)
-                    old = rows.old_logp if rows.old_logp is not None else logp.detach()   # (n, C)
-                    per_token, sums = policy_loss(logp, old, entropy, rows, hp)           # (n, C)
-                    loss = aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
+                    if hp.algo == "rce":      # RCE (rce.py): -(1/G) sum_i w_i log p(y_i | x), no ratio
+                        loss, sums = rce.loss(logp, entropy, rows, mb.seqs / hp.k)
+                    else:
+                        old = rows.old_logp if rows.old_logp is not None else logp.detach()   # (n, C)
+                        per_token, sums = policy_loss(logp, old, entropy, rows, hp)           # (n, C)
+                        loss = aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
                     # DDP averages gradients over W ranks; the denominators are the whole
                     # mini-batch's already, so W * loss makes the average the sum
                     (loss * distributed.size()).backward()
