@@ -93,6 +93,47 @@ def dsl_reward(completion: str, best: str) -> float:
     return DSL_REWARD[classify(completion, best)]
 
 
+# ---- report 003's composite reward, on the DSL task (--reward composite) ----
+# Report 003 paid a selector of in-context examples 2.0*hard + 1.0*gt_prob + 0.1*(1-hard)*rel:
+# hard = the VQA answer was right, gt_prob = the VQA model's probability of the right answer
+# (a graded "how close"), rel = the chosen examples' relevance to the question (a small
+# shaping term for wrong answers). Our reading of the three on a workflow:
+
+def _lcs(a: list, b: list) -> int:
+    """Length of the longest common subsequence of two lists (dynamic programming)."""
+    row = [0] * (len(b) + 1)
+    for x in a:
+        prev, row = row, [0]
+        for j, y in enumerate(b):
+            row.append(prev[j] + 1 if x == y else max(prev[j + 1], row[j]))
+    return row[-1]
+
+
+def composite_parts(completion: str, best: str) -> dict:
+    """hard, gt_prob, rel of a completion, each in [0, 1]:
+
+        hard     1 if it is the best workflow, else 0
+        gt_prob  the share of the best workflow's steps it has, in order: LCS(steps, best) /
+                 len(best) (1 for the best, 0 off-format)
+        rel      the share of its operators that the best workflow uses (0 off-format)
+    """
+    steps, target = parse_workflow(completion), parse_workflow(best)
+    if steps is None:
+        return dict(hard=0.0, gt_prob=0.0, rel=0.0)
+    ops = [op for s in steps for op in s[1:] if op != "done"]
+    used = {op for s in target for op in s[1:]}
+    hard = float(canonical(steps) == canonical(target))
+    return dict(hard=hard, gt_prob=_lcs(steps, target) / len(target),
+                rel=sum(op in used for op in ops) / len(ops))
+
+
+def composite_reward(completion: str, best: str) -> float:
+    """Report 003's reward: 2.0*hard + 1.0*gt_prob + 0.1*(1-hard)*rel. Range [0, 3]: the best
+    workflow earns 3, any other at most 1.1."""
+    p = composite_parts(completion, best)
+    return 2.0 * p["hard"] + 1.0 * p["gt_prob"] + 0.1 * (1 - p["hard"]) * p["rel"]
+
+
 # ---- the tool-calling task (report 000, tool_env.py) ----
 # Each function takes an episode: the list of `info` dicts that ToolEnv.step returned, one
 # per turn. All of them are pure, finite, and within the range their docstring states.

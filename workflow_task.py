@@ -4,7 +4,8 @@ A prompt names a problem and its type; the type decides which workflow is best:
 
     "Problem ( code ) : debug a parser . Workflow :"  ->  "Custom -> Programmer -> Review ? Revise : done"
 
-rewards.py scores a completion (1.0 best, 0.2 other valid DSL, 0 off-format).
+rewards.py scores a completion (1.0 best, 0.2 other valid DSL, 0 off-format; or, with
+--reward composite, report 003's 2*hard + gt_prob + 0.1*(1-hard)*rel).
 
 Train and held-out prompts share the four types but not the (verb, object) pairs: the
 held-out set checks that the policy learned "type -> workflow", not a list of prompts.
@@ -35,6 +36,7 @@ SYSTEM_PROMPT = ("Answer with a workflow in this DSL and nothing else. Operators
 MAX_POSITIONS = 128          # the tiny model's context: prompt + one completion
 HEADLINE = ("best_rate", "valid_rate")   # the rates the progress line and the summary show
 FORMAT_KEY = "valid_rate"                # on-format share: a collapse halves it
+GROUP_KEY = "type"                       # results broken down by problem type (evaluate.by_group)
 RATES = ("best_rate", "valid_rate", "fallback_rate", "junk_rate")   # the keys of rates()
 ENDS_WITH_EOS = True                     # a completion ends with the EOS token
 
@@ -124,6 +126,12 @@ def warmstart_batch(rng: random.Random, n: int) -> list[list[tuple[str, bool]]]:
     return [[(p["text"], False), (warmstart_completion(p["type"], rng), True)] for p in chosen]
 
 
+def answer(prompt: dict) -> list[tuple[str, bool]]:
+    """The right completion for a prompt, as (text, trained) segments: the best workflow
+    (the held-out answer NLL's text: evaluate.answer_nll)."""
+    return [(prompt["text"], False), (prompt["best"], True)]
+
+
 def fingerprint() -> dict:
     """Everything that shapes the warm start besides the policy's own settings."""
     return {"vocab": vocabulary(), "mix": [VALID_SHARE, BEST_SHARE_OF_VALID, REPORT_TOP_PATTERNS,
@@ -139,7 +147,10 @@ def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True
     batch = rollout.sample(models, texts, k, sampling, record_old_logp)
     bests = [p["best"] for p in prompts for _ in range(k)]
     classes = [rewards.classify(t, b) for t, b in zip(batch.texts, bests)]
-    batch.rewards = torch.tensor([rewards.DSL_REWARD[cl] for cl in classes])     # (N,)
+    if sampling.reward == "composite":           # report 003's (rewards.composite_reward)
+        batch.rewards = torch.tensor([rewards.composite_reward(t, b) for t, b in zip(batch.texts, bests)])
+    else:                                        # report 001's: 1 best, 0.2 valid, 0 off-format
+        batch.rewards = torch.tensor([rewards.DSL_REWARD[cl] for cl in classes])  # (N,)
     return batch, classes
 
 
