@@ -64,11 +64,17 @@ def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape
 # ---- supervised warm-start ----
 
 def sft_batch(task, tok, batch: int, rng: random.Random):
-    """(input_ids, attention_mask, labels), right-padded. Loss only on the segments the
-    policy would write (labels -100 on the prompt and on anything an environment inserts),
-    and on an EOS after the last segment when the task ends its episodes with one."""
+    """`batch` fresh examples of the task's warm-start mix as sft_rows."""
+    return sft_rows(task, tok, task.warmstart_batch(rng, batch))
+
+
+def sft_rows(task, tok, examples: list):
+    """(input_ids, attention_mask, labels), right-padded, from examples of (text, trained)
+    segments. Loss only on the segments the policy would write (labels -100 on the prompt
+    and on anything an environment inserts), and on an EOS after the last segment when the
+    task ends its episodes with one."""
     rows, labels = [], []
-    for segments in task.warmstart_batch(rng, batch):
+    for segments in examples:
         row, label = [], []
         for i, (text, trained) in enumerate(segments):
             # The prompt exactly as rollouts show it (chat template included, if any).

@@ -33,6 +33,7 @@ class Task(Protocol):
     MAX_POSITIONS: int               # the tiny model's context
     HEADLINE: tuple                  # the two rates the progress line and summary show
     FORMAT_KEY: str                  # the on-format rate: a collapse halves it
+    GROUP_KEY: str                   # the prompt field results are broken down by (evaluate.by_group)
     RATES: tuple                     # every key of rates()
     ENDS_WITH_EOS: bool              # a completion ends with the EOS token (warm start adds it)
 
@@ -50,6 +51,9 @@ class Task(Protocol):
 
     def warmstart_batch(self, rng, n: int) -> list[list[tuple[str, bool]]]:
         """n supervised examples as (text, trained) segments, the prompt first."""
+
+    def answer(self, prompt: dict) -> list[tuple[str, bool]]:
+        """A right answer to a prompt as (text, trained) segments (evaluate.answer_nll)."""
 
     def vocabulary(self) -> list[str]:
         """Every word the task can produce (the tiny word-level tokenizer)."""

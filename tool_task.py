@@ -33,6 +33,7 @@ SYSTEM_PROMPT = (
 MAX_POSITIONS = 256          # prompt + up to 3 turns and 2 tool responses
 HEADLINE = ("accuracy", "tool_success_rate")
 FORMAT_KEY = "wellformed_rate"
+GROUP_KEY = "benchmark"      # results broken down by the prompt's benchmark (evaluate.by_group)
 RATES = ("accuracy", "answer_rate", "tool_calls", "tool_success_rate", "wellformed_rate", "turns",
          *(f"failure/{kind}" for kind in FAILURES))                     # the keys of rates()
 ENDS_WITH_EOS = False        # an episode ends at </answer> (a stop string), not at EOS
@@ -64,13 +65,14 @@ def answer_text(param: str, value: str) -> str:
     return f"<think> answer now </think> <answer> {param} = {value} </answer>"
 
 
-def demonstration(seed: int, rng: random.Random) -> list[tuple[str, bool]]:
+def demonstration(seed: int, rng: random.Random, kind: str = "") -> list[tuple[str, bool]]:
     """One warm-start episode as (text, trained) segments, played against a real ToolEnv so
-    the tool responses are exactly those the environment gives."""
+    the tool responses are exactly those the environment gives; its kind drawn from
+    WARMSTART_MIX unless given."""
     env = ToolEnv()
     segments = [(env.reset(seed=seed), False)]
     param, value = env.solution
-    kind = rng.choices(list(WARMSTART_MIX), weights=list(WARMSTART_MIX.values()))[0]
+    kind = kind or rng.choices(list(WARMSTART_MIX), weights=list(WARMSTART_MIX.values()))[0]
     other = rng.choice([b for b in KNOWLEDGE_BASE if b != env.benchmark])
     turns = {
         "lookup": [call_text("query_knowledge_base", {"topic": env.benchmark}), answer_text(param, value)],
@@ -94,6 +96,12 @@ def demonstration(seed: int, rng: random.Random) -> list[tuple[str, bool]]:
 
 def warmstart_batch(rng: random.Random, n: int) -> list[list[tuple[str, bool]]]:
     return [demonstration(rng.choice(TRAIN_SEEDS), rng) for _ in range(n)]
+
+
+def answer(prompt: dict) -> list[tuple[str, bool]]:
+    """A right episode for a prompt, as (text, trained) segments: look the benchmark up, then
+    answer with what the tool said (the held-out answer NLL's text: evaluate.answer_nll)."""
+    return demonstration(prompt["seed"], random.Random(0), kind="lookup")
 
 
 def vocabulary() -> list[str]:
@@ -120,9 +128,13 @@ def fingerprint() -> dict:
 
 
 def prompts(split: str) -> list[dict]:
-    """Training or held-out episodes: dicts with the env seed and the prompt text."""
+    """Training or held-out episodes: dicts with the env seed, the prompt text and its benchmark."""
     seeds = TRAIN_SEEDS if split == "train" else EVAL_SEEDS
-    return [{"seed": s, "text": ToolEnv().reset(seed=s)} for s in seeds]
+    out = []
+    for s in seeds:
+        env = ToolEnv()
+        out.append({"seed": s, "text": env.reset(seed=s), "benchmark": env.benchmark})
+    return out
 
 
 # ---- rollouts and their scores (train.py) ----
