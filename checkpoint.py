@@ -237,12 +237,12 @@ def _fsync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
-def prune(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the `keep` newest complete checkpoints of a run (keep 0: delete none);
-    returns what was deleted."""
+def prune(run_dir: Path, keep: int, spare: Path | None = None) -> list[Path]:
+    """Delete all but the `keep` newest complete checkpoints of a run (keep 0: delete none),
+    never `spare` (early stopping's best); returns what was deleted."""
     if keep <= 0:
         return []
-    old = candidates(run_dir)[keep:]
+    old = [p for p in candidates(run_dir)[keep:] if spare is None or p.resolve() != Path(spare).resolve()]
     for p in old:
         shutil.rmtree(p)
     return old
@@ -262,6 +262,27 @@ def find(path: Path) -> Path | None:
     """The checkpoint at `path` itself, or the newest complete one under path/checkpoints."""
     found = candidates(path)
     return found[0] if found else None
+
+
+def starting_point(run_dir: Path) -> Path | None:
+    """The checkpoint a later stage starts from (--init-from): the one the run's summary names
+    as its best (`best_checkpoint`, relative to the run's folder; early stopping) when it is
+    still there, else the newest."""
+    try:
+        best = json.loads((Path(run_dir) / "summary.json").read_text()).get("best_checkpoint")
+    except (OSError, ValueError, AttributeError):
+        best = None
+    if best and (Path(run_dir) / best / STATE_FILE).is_file():
+        return Path(run_dir) / best
+    return find(run_dir)
+
+
+def load_weights(ckpt: Path, model) -> None:
+    """The checkpoint's weights into model (nothing else: --init-from starts a new run)."""
+    weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
+    if set(weights) != set(model.state_dict()):
+        raise ResumeError(f"--init-from: the weights in {str(ckpt)!r} do not match this run's model")
+    model.load_state_dict(weights)
 
 
 def run_dir_of(ckpt: Path) -> Path:

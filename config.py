@@ -38,12 +38,16 @@ def opt(default, help, **kw):
 class Config:
     task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tool_task.py)",
                     choices=tuple(tasks.TASKS))
-    reward: str = opt("shaped", "tools task: sparse +-1, report 000's shaped reward, or the format reward",
-                      choices=("sparse", "shaped", "format"))
+    reward: str = opt("shaped", "tools task: sparse +-1, report 000's shaped reward, or the format reward; "
+                      "dsl task: shaped (report 001's 1 / 0.2 / 0) or composite (report 003's: rewards.py)",
+                      choices=("sparse", "shaped", "format", "composite"))
     reward_clip: float = opt(0.0, "tools task: clamp the shaped reward to [-c, c]; 0 = off")
     drop_process_reward: bool = opt(False, "tools task: leave the tool's process reward out (report 000's bug)")
     max_turns: int = opt(3, "tools task: policy turns per episode (--max-new-tokens each)")
-    algo: str = opt("grpo", "the algorithm: GRPO (no critic) or PPO (value head + GAE)", choices=("grpo", "ppo"))
+    algo: str = opt("grpo", "the algorithm: GRPO (no critic), PPO (value head + GAE) or RCE (report 003's "
+                    "reward-weighted cross-entropy: rce.py)", choices=("grpo", "ppo", "rce"))
+    rce_temp_start: float = opt(1.7, "RCE: softmax temperature tau of the reward weights at the first step")
+    rce_temp_end: float = opt(0.5, "RCE: tau at the last step, linear in between (report 003: 1.7 -> 0.5)")
     # the batch
     k: int = opt(8, "samples per prompt (K); group norms need K >= 2")
     batch: int = opt(8, "prompts per step (B); N = B*K sequences per step")
@@ -97,6 +101,8 @@ class Config:
     # evaluation and output
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps")
     eval_samples: int = opt(4, "samples per held-out prompt at each evaluation")
+    early_stop_patience: int = opt(0, "stop once the held-out reward has not improved for this many "
+                                      "evaluations, keeping the best one's checkpoint; 0 = off")
     seed: int = opt(0, "seed of the RL phase (prompts and sampling)")
     out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}, with a "
                        "-2, -3 ... suffix when that one holds a run already")
@@ -127,6 +133,8 @@ class Config:
     sft_lr: float = opt(0.0, "warm-up learning rate; 0 = the default (3e-3 tiny, 1e-4 real)")
     sft_seed: int = opt(0, "warm-up seed (one warm start shared by all RL seeds)")
     cache_dir: str = opt(".cache/warmstart", "where warm-started weights are cached")
+    init_from: str = opt("", "start from another run's weights (its best checkpoint if it kept one, else its "
+                         "newest), not the warm start; that start is also the KL's reference")
 
     # derived sizes, computed in one place
     @property
@@ -199,6 +207,17 @@ def validate(cfg: Config) -> Config:
     need(cfg.k >= 1, "k", f"must be >= 1, got {cfg.k}")
     need(cfg.norm not in advantages.GROUP_NORMS or cfg.k >= 2, "k",
          f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
+    need(cfg.algo != "rce" or cfg.k >= 2, "k", f"--algo rce weighs the K samples of a prompt against each "
+         f"other and needs --k >= 2, got {cfg.k}")
+    need(cfg.algo != "rce" or (cfg.beta == 0 and cfg.kl_control == "fixed"), "beta",
+         "--algo rce has no KL term (rce.py); leave --beta at 0 and --kl-control fixed")
+    need(cfg.rce_temp_start > 0, "rce-temp-start", f"must be > 0, got {cfg.rce_temp_start}")
+    need(cfg.rce_temp_end > 0, "rce-temp-end", f"must be > 0, got {cfg.rce_temp_end}")
+    need(cfg.reward != "composite" or cfg.task == "dsl", "reward",
+         f"composite is report 003's reward written for the dsl task, not --task {cfg.task}")
+    need(cfg.reward not in ("sparse", "format") or cfg.task == "tools", "reward",
+         f"{cfg.reward} is a reward of the tools task; the dsl task takes shaped (the default) or composite")
+    need(cfg.early_stop_patience >= 0, "early-stop-patience", f"must be >= 0 (0 = off), got {cfg.early_stop_patience}")
     need(cfg.batch >= 1, "batch", f"must be >= 1, got {cfg.batch}")
     ranks = distributed.size()                      # torchrun's WORLD_SIZE; 1 for python train.py
     need(cfg.batch % ranks == 0, "batch", f"{cfg.batch} prompts per step do not split over {ranks} ranks "
@@ -265,6 +284,9 @@ def validate(cfg: Config) -> Config:
         need(not problem, "model", f"{cfg.model!r}: {problem}")
     need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
     need(not (cfg.overwrite and cfg.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
+    if cfg.init_from and not cfg.resume:
+        problem = init_from_problem(cfg)
+        need(not problem, "init-from", f"{cfg.init_from!r}: {problem}")
     if not distributed.is_main():        # torchrun: rank 0 alone checks, names and writes the folder
         cfg.out = cfg.out or default_out(cfg)
         return cfg
@@ -305,6 +327,26 @@ def writable(folder: Path) -> bool:
         return False
 
 
+SAME_MODEL = ("task", "model", "hidden", "layers")     # what a run started --init-from another must share
+
+
+def init_from_problem(cfg: Config) -> str | None:
+    """Why --init-from cannot start this run, or None: it needs a checkpoint, and the run
+    that wrote it must have had the same task and model (its config.json)."""
+    ckpt = checkpoint.starting_point(Path(cfg.init_from))
+    if ckpt is None:
+        return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
+    try:
+        saved = json.loads((checkpoint.run_dir_of(ckpt) / "config.json").read_text())
+    except (OSError, ValueError):
+        return f"cannot read {str(checkpoint.run_dir_of(ckpt) / 'config.json')!r}"
+    for name in SAME_MODEL:
+        if saved.get(name) != getattr(cfg, name):
+            return (f"that run's --{name} was {saved.get(name)!r}, this run's is {getattr(cfg, name)!r}; "
+                    f"a run starts only from weights of the same task and model")
+    return None
+
+
 def validate_model(name: str) -> str | None:
     """Why --model name cannot be used, or None: a named model, a loadable folder, or
     something of the form of a hub id (whether the hub has it is known only when asked)."""
@@ -337,8 +379,8 @@ def model_folder_problem(path: Path) -> str | None:
 
 def default_out(cfg: Config) -> str:
     task = f"tools_{cfg.reward}_" if cfg.task == "tools" else ""
-    if cfg.algo == "ppo":
-        return f"runs/{task}ppo_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
+    if cfg.algo in ("ppo", "rce"):
+        return f"runs/{task}{cfg.algo}_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
     return f"runs/{task}k{cfg.k}_b{cfg.batch}_{cfg.norm}_lr{cfg.lr:g}_s{cfg.seed}"
 
 

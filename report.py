@@ -51,12 +51,19 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               prompts, drawn with a fixed seed so every evaluation sees the
                               same noise
     eval_value_rmse           PPO: RMSE of V(s_t) against the held-out returns
+    eval_answer_nll, train_answer_nll   at each evaluation: per-token NLL of a right answer
+                              (teacher-forced) on the held-out prompts and on 32 training
+                              prompts (evaluate.answer_nll): report 003's validation loss
+    rce_temp                  RCE: the step's softmax temperature tau (rce.py)
     seconds                   wall time of the step
 
 summary.json (`finish`): the run's counts (steps, updates, collapses, crash_rate =
 collapses / updates, crash_floor, skipped_nonfinite, alert_episodes, failed_saves,
-lost_log_lines), why it stopped, eval_<headline>_start and eval_<rate>_end, and
-frac_adv_negative_mean over the run. compare.py and lab.py read these.
+lost_log_lines), why it stopped (stopped: a failure; early_stopped: --early-stop-patience,
+a normal end), eval_<headline>_start and eval_<rate>_end, the evaluation with the highest
+held-out reward (best_step, eval_<rate>_best, and with early stopping its best_checkpoint,
+relative to the run's folder), and frac_adv_negative_mean over the run. compare.py and
+lab.py read these.
 """
 import json
 import resource
@@ -146,14 +153,15 @@ def progress(cfg, task, row: dict, last_eval: dict) -> None:
 
 SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
                 "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
-                "ended_off_format", "frac_adv_negative_mean",
+                "ended_off_format", "frac_adv_negative_mean", "early_stopped", "best_step", "best_checkpoint",
                 "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "peak_memory_mb", "out")
 
 
 def summary_keys(task) -> set:
     """Every key summary.json can hold for a task (compare.py checks --columns against it)."""
-    return set(SUMMARY_KEYS) | {f"eval_{key}_end" for key in task.RATES} | \
-        {f"eval_{key}_start" for key in task.HEADLINE}
+    evals = [*task.RATES, "reward_mean", "answer_nll"]
+    return set(SUMMARY_KEYS) | {f"eval_{key}_{when}" for key in evals for when in ("end", "best")} | \
+        {f"eval_{key}_start" for key in task.HEADLINE} | {"train_answer_nll_end", "train_answer_nll_best"}
 
 
 def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
@@ -167,11 +175,14 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
                    crash_floor=state.crash_floor / updates if updates else 0.0,
                    skipped_nonfinite=state.skipped, alert_episodes=alert_episodes,
                    stopped=state.stopped, interrupted=state.interrupted, failed_saves=state.failed_saves,
-                   lost_log_lines=state.lost_log_lines)
+                   lost_log_lines=state.lost_log_lines, early_stopped=state.early_stopped,
+                   best_step=state.best_step, best_checkpoint=state.best_checkpoint)
     for key in task.HEADLINE:
         summary[f"eval_{key}_start"] = first[f"eval_{key}"]
     for key, v in last.items():                     # eval_<rate>_end for every held-out rate
         summary[f"{key}_end"] = v
+    for key, v in (state.best_eval or {}).items():  # ... and at the best evaluation (best_step)
+        summary[f"{key}_best"] = v
     negative = [r["frac_adv_negative"] for r in plots.read_metrics(out) if "frac_adv_negative" in r]
     summary.update(ended_off_format=last[f"eval_{task.FORMAT_KEY}"] < 0.5,
                    frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,

@@ -52,6 +52,7 @@ import monitor
 import policy
 import ppo
 import pretrained
+import rce
 import report
 import rollout
 import schedules
@@ -66,7 +67,8 @@ TASKS = tasks.TASKS
 def load(cfg: Config, task, device: str, log):
     """The policy and its tokenizer on device, dropout off: a real model (--model: a named
     model, a folder, a hub id; pretrained.py) or the tiny model built in code, each
-    warm-started on the task's mix (policy.py) unless --sft-steps 0."""
+    warm-started on the task's mix (policy.py) unless --sft-steps 0; then, with --init-from,
+    another run's weights (checkpoint.starting_point)."""
     default = policy.WARM_START["real" if cfg.model else "tiny"]
     warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
                             default.batch, cfg.sft_seed)
@@ -77,6 +79,10 @@ def load(cfg: Config, task, device: str, log):
         model, tok = policy.real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
     else:
         model, tok = policy.tiny_policy(task, cfg.hidden, cfg.layers, warm, Path(cfg.cache_dir), log)
+    if cfg.init_from:              # a second stage: another run's weights replace the warm start
+        ckpt = checkpoint.starting_point(Path(cfg.init_from))
+        checkpoint.load_weights(ckpt, model)
+        log(f"--init-from: the policy starts from {ckpt}")
     off = policy.disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
     if off:
         log(f"dropout: switched off in {off} places for RL")
@@ -121,6 +127,8 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
     elif hp.algo == "grpo":
         grpo.prepare(batch, hp)                                          # advantages (N,)
+    elif hp.algo == "rce":
+        rce.prepare(batch, hp)                                           # weights w (N,), in advantages
     else:
         ppo.prepare(batch, hp)                                           # advantages, returns (N, C)
     row = report.rollout_metrics(batch, outcomes, learner.task, hp)
@@ -133,7 +141,7 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
     all_fallback = hp.skip_all_fallback and row.get("fallback_rate") == 1.0     # the whole batch's
     if finite and not no_signal and not all_fallback:
         with learner.autocast():
-            if hp.algo == "grpo":
+            if hp.algo in ("grpo", "rce"):           # RCE: the same loop, its own loss (rce.py)
                 stats = grpo.update(learner.scorer, learner.optimizer, batch, hp)
             else:
                 stats = ppo.update(learner.scorer, learner.optimizer, batch, hp)
@@ -163,6 +171,12 @@ class RunState:
     seconds: float = 0.0             # wall time before this session (a resume's earlier ones)
     stopped: str | None = None       # why the run stopped early
     interrupted: str | None = None   # the signal that stopped it
+    early_stopped: str | None = None  # why --early-stop-patience ended it (a normal end)
+    best_step: int = 0               # the evaluation with the highest held-out reward so far ...
+    best_reward: float | None = None
+    best_eval: dict | None = None    # ... its eval_*
+    best_checkpoint: str | None = None   # its checkpoint, relative to the run (--early-stop-patience)
+    evals_since_best: int = 0
     monitor: dict | None = None      # the state dicts of the monitor, the KL controller and
     kl_control: dict | None = None   # the value head, at the last save
     value_head: dict | None = None
@@ -172,7 +186,7 @@ class RunState:
         saved = dict(saved)
         if saved.get("prev"):        # checkpoints written before RunState: prev = (updated, rate)
             saved["prev_updated"], saved["prev_on_format"] = saved["prev"]
-        names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted"}   # this session's
+        names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted", "early_stopped"}
         return cls(**{k: v for k, v in saved.items() if k in names})
 
     def count(self, step: int, stats: dict, on_format: float | None, n: int) -> bool:
@@ -231,7 +245,9 @@ def start(cfg: Config, out: Path) -> Run:
         model, tok = load(cfg, task, device, log)
     value_head = ppo.ValueHead(model.config.hidden_size).to(device) if cfg.algo == "ppo" else None
     scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
-    # The reference is the warm start, also when resuming: load() always returns it.
+    # The reference is the policy RL starts from, also when resuming: load() always returns it
+    # (the warm start; with --init-from, the first stage's weights: the KL then anchors GRPO
+    # to the policy it was handed, as TRL and verl take the initial policy as the reference).
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(scorer.parameters(), lr=cfg.lr, weight_decay=0.0)
     # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
@@ -267,26 +283,37 @@ def start(cfg: Config, out: Path) -> Run:
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
-              {split: task.prompts(split) for split in ("train", "eval")}, *logs, log, started)
+              prompts_of(task), *logs, log, started)
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
         held_out(run, row := {"step": 0})                    # before any update: evaluation only
         state.first_eval = state.last_eval
         run.metrics.write(row)
+        if keep_best(run, row) and cfg.early_stop_patience:
+            save_best(run)                           # the warm start is the first best
         log("step 0: held-out " + ", ".join(f"{key} {state.first_eval['eval_' + key]:.2f}"
                                             for key in task.HEADLINE))
     return run
 
 
+def prompts_of(task) -> dict:
+    """The task's "train" and "eval" prompts, and "nll": 32 training prompts spread over the
+    list, on which the answer NLL is measured beside the held-out one."""
+    train = task.prompts("train")
+    return {"train": train, "eval": task.prompts("eval"), "nll": train[::max(1, len(train) // 32)][:32]}
+
+
 def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
     """This step's learning rate (set in the optimizer), and its hyper-parameters: beta from
-    the KL controller, the scheduled entropy bonus, the mini-batch shuffle's seed."""
+    the KL controller, the scheduled entropy bonus and RCE temperature, the mini-batch
+    shuffle's seed."""
     cfg = run.cfg
     lr = schedules.lr_at(step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.min_lr, cfg.warmup_steps)
     for group in run.learner.optimizer.param_groups:
         group["lr"] = lr
     end = cfg.entropy_coef if cfg.entropy_coef_end < 0 else cfg.entropy_coef_end
     return dataclasses.replace(run.hp, beta=run.kl_control.beta, seed=cfg.seed * 100003 + step,
-                               entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end))
+                               entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end),
+                               rce_temp=schedules.linear(step, cfg.steps, cfg.rce_temp_start, cfg.rce_temp_end))
 
 
 def held_out(run: Run, row: dict) -> None:
@@ -301,8 +328,35 @@ def held_out(run: Run, row: dict) -> None:
             raise                      # the starting policy itself is broken: nothing to train
         run.log(f"step {row['step']}: non-finite logits in the held-out evaluation; it is skipped")
         return
+    # the held-out loss beside the held-out reward (report 003: train loss falls, val loss rises)
+    run.state.last_eval["eval_answer_nll"] = evaluate.answer_nll(learner.models, learner.task, run.prompts["eval"])
+    run.state.last_eval["train_answer_nll"] = evaluate.answer_nll(learner.models, learner.task, run.prompts["nll"])
     row.update(run.state.last_eval)
     run.samples.write({"step": row["step"], "split": "eval", "samples": rows})
+
+
+def keep_best(run: Run, row: dict) -> bool:
+    """After a held-out evaluation (rank 0): remember the one with the highest held-out reward
+    (strictly higher than every earlier one, the warm start's at step 0 included); True when
+    this one is it. Else count one more evaluation without progress (--early-stop-patience)."""
+    state = run.state
+    reward = row.get("eval_reward_mean")
+    if reward is None:                     # a skipped evaluation (non-finite) counts for nothing
+        return False
+    if state.best_reward is not None and reward <= state.best_reward:
+        state.evals_since_best += 1
+        return False
+    state.best_step, state.best_reward, state.evals_since_best = row["step"], reward, 0
+    state.best_eval = dict(state.last_eval)
+    return True
+
+
+def save_best(run: Run) -> None:
+    """--early-stop-patience: a checkpoint of the new best evaluation, named in the summary
+    (best_checkpoint) and spared by --keep-checkpoints."""
+    before, run.state.best_checkpoint = run.state.best_checkpoint, f"checkpoints/step-{run.state.step:06d}"
+    if save(run) is None:                  # not written (said by save): the older best stays
+        run.state.best_checkpoint = before
 
 
 def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
@@ -350,7 +404,8 @@ def save(run: Run) -> Path | None:
         except (OSError, SafetensorError) as e:
             state.failed_saves += 1
             run.log(f"step {state.step}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
-    for old in checkpoint.prune(run.out, run.cfg.keep_checkpoints):
+    spare = run.out / state.best_checkpoint if state.best_checkpoint else None    # early stopping's best
+    for old in checkpoint.prune(run.out, run.cfg.keep_checkpoints, spare):
         run.log(f"removed checkpoint {old.name} (--keep-checkpoints {run.cfg.keep_checkpoints})")
     return path
 
@@ -407,14 +462,26 @@ def one_step(run: Run, step: int, interrupts: checkpoint.Interrupts) -> bool:
     except rollout.NonFiniteLogits:       # nothing could be sampled: a non-finite step
         batch, row, stats = None, report.no_rollout(task), report.no_update("logits")
     row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],
-           "entropy_coef": hp.entropy_coef}
+           "entropy_coef": hp.entropy_coef, **({"rce_temp": hp.rce_temp} if hp.algo == "rce" else {})}
     # a signal reaches one rank at a time: every rank stops at the step any of them got one
     # (the step's last collective; account's other inputs are the same on every rank)
     state.stopped = account(run, row, stats, distributed.first_reason(interrupts.signal))
     main = distributed.is_main()
     # a stopped run is evaluated where it stops, so its eval_*_end are its own
-    if (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None and main:
+    due = (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None
+    best = False
+    if due and main:
         held_out(run, row)
+        best = keep_best(run, row)
+    patience = cfg.early_stop_patience
+    early = due and bool(patience) and main and state.evals_since_best >= patience
+    if due and patience:                   # rank 0 evaluated: every rank stops with it
+        early = distributed.any_rank(early)
+    if early and not state.stopped:
+        state.early_stopped = (f"the held-out reward has not risen for {cfg.early_stop_patience} evaluations "
+                               f"(--early-stop-patience); best {state.best_reward:.3f} at step {state.best_step}, "
+                               f"kept in {run.out / (state.best_checkpoint or '?')}")
+        run.log(f"early stop at step {step}: {state.early_stopped}")
     row["seconds"] = time.time() - t0
     run.metrics.write(row)
     if batch is not None:
@@ -423,12 +490,14 @@ def one_step(run: Run, step: int, interrupts: checkpoint.Interrupts) -> bool:
     if main:
         report.progress(cfg, task, row, state.last_eval)
     path = None
+    if best and patience:                  # main only: early stopping keeps the best's weights
+        save_best(run)
     if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main:
         path = save(run)
     if state.stopped:
         saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"
         run.log(f"stopped at step {step}: {state.stopped}; {saved}")
-    return bool(state.stopped)
+    return bool(state.stopped or state.early_stopped)
 
 
 class RankLost(RuntimeError):
