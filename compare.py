@@ -12,8 +12,18 @@ draws OUT/compare.png: held-out best rate per step, a thin line per seed and the
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
 
     python compare.py --seeds 3 --nproc 2 --out runs/ddp2 "--k 8 --norm global"   # each run under torchrun
+
+Every checkpoint against the baseline (report 003's last fix):
+
+    python compare.py checkpoints runs/rce runs/grpo_after_rce --samples 16
+
+evaluates the warm start and every checkpoint of the runs on the same held-out prompts, with
+a fresh seed (not the one the runs' own evaluations and early stopping used), broken down by
+the task's group (problem type for the DSL task, as report 003 broke accuracy down by
+shots): OUT/table.md, OUT/checkpoints.json and OUT/checkpoints.png.
 """
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -30,7 +40,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+import checkpoint
 import config
+import evaluate
 import plots
 import report
 import tasks
@@ -68,7 +80,10 @@ def run_one(argv: list, launch: Launch) -> dict:
 
 
 def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, launch: Launch = Launch()) -> list[dict]:
-    runs = [argv + ["--seed", str(seed), "--out", str(out / f"s{seed}"), "--quiet"] + ["--overwrite"] * overwrite
+    """Every seed of one setting; "{seed}" in a flag becomes the seed (a second stage's
+    --init-from RUN/s{seed} starts each seed from the first stage's run of the same seed)."""
+    runs = [[a.replace("{seed}", str(seed)) for a in argv] + ["--seed", str(seed), "--out", str(out / f"s{seed}"),
+                                                             "--quiet"] + ["--overwrite"] * overwrite
             for seed in range(seeds)]
     if launch.jobs == 1:                            # in this (main) thread: Ctrl-C stops a run cleanly
         return [run_one(r, launch) for r in runs]
@@ -78,7 +93,7 @@ def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, laun
 
 def slug(setting: str) -> str:
     """The folder name of a setting's runs: '--k 8 --norm global' -> 'k_8_norm_global'."""
-    return " ".join(shlex.split(setting)).replace("--", "").replace(" ", "_")
+    return " ".join(shlex.split(setting)).replace("--", "").replace(" ", "_").replace("/", "_").replace("{seed}", "S")
 
 
 def spread(xs: list) -> str:
@@ -196,7 +211,7 @@ def main(argv=None):
         if held and not args.overwrite:
             p.error(f"--out: {str(held[0])!r} holds a run already; --overwrite replaces the runs "
                     f"under {str(args.out)!r}, another --out keeps them")
-        c = config.parse_config(common + shlex.split(s) + ["--overwrite"] * args.overwrite +
+        c = config.parse_config([a.replace("{seed}", "0") for a in common + shlex.split(s)] + ["--overwrite"] * args.overwrite +
                                 ["--out", str(args.out / "runs" / slug(s) / "s0")])
         if c.batch % args.nproc:
             p.error(f"--nproc: setting {s!r} has --batch {c.batch}, which does not split over {args.nproc} ranks")
@@ -230,8 +245,121 @@ def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("e
     return results
 
 
+# ---- every checkpoint against the baseline ----
+
+CHECKPOINT_SEED = 4321          # not evaluate.EVAL_SEED: the runs picked their best under that one
+
+
+def run_config(run: Path) -> config.Config:
+    """The configuration a run was made with (its config.json)."""
+    saved = json.loads((Path(run) / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(config.Config)}
+    return config.Config(**{k: v for k, v in saved.items() if k in names})
+
+
+def checkpoints_problem(runs: list) -> str | None:
+    """Why these runs' checkpoints cannot be compared, or None: each needs a config.json and a
+    checkpoint, and all must share the task and model (one baseline for all)."""
+    first = None
+    for run in runs:
+        if not (Path(run) / "config.json").is_file():
+            return f"{str(run)!r} is not a run folder (no config.json)"
+        if not checkpoint.candidates(run):
+            return f"{str(run)!r} holds no checkpoint (train.py --save-every N or --early-stop-patience P)"
+        cfg = run_config(run)
+        shape = {name: getattr(cfg, name) for name in config.SAME_MODEL}
+        first = first or shape
+        if shape != first:
+            return f"{str(run)!r} has {shape}, another run {first}: one baseline needs one task and model"
+    return None
+
+
+def evaluate_checkpoints(runs: list, samples: int, kept_only: bool = False, log=print) -> dict:
+    """{"baseline": evaluate.by_group of the warm start, "runs": {run: [(step, by_group), ...]}}
+    for every checkpoint of each run, oldest first (kept_only: only the one a later stage
+    would start from, checkpoint.starting_point), all on the same held-out prompts and seed."""
+    cfg = dataclasses.replace(run_config(runs[0]), init_from="", device="cpu")
+    task = tasks.TASKS[cfg.task]
+    model, tok = train.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
+    models, sampling, prompts = train.rollout.Models(model, tok), config.sampling(cfg), task.prompts("eval")
+    out = {"baseline": evaluate.by_group(models, task, prompts, sampling, samples, CHECKPOINT_SEED), "runs": {}}
+    for run in runs:
+        ckpts = [checkpoint.starting_point(run)] if kept_only else sorted(checkpoint.candidates(run))
+        out["runs"][str(run)] = []
+        for ckpt in ckpts:
+            checkpoint.load_weights(ckpt, model)
+            step = int(ckpt.name.split("-")[-1])
+            out["runs"][str(run)].append((step, evaluate.by_group(models, task, prompts, sampling, samples,
+                                                                  CHECKPOINT_SEED)))
+        log(f"evaluated {len(ckpts)} checkpoint(s) of {run}")
+    return out
+
+
+def checkpoints_table(result: dict, key: str) -> str:
+    """Markdown: a row per checkpoint, the rate `key` per group and overall, and the overall
+    difference from the baseline (report 003's table: accuracy by shots, against the baseline)."""
+    groups = list(result["baseline"])
+    base = result["baseline"]["all"][key]
+    head = ["model", *groups, "vs baseline (all)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+             "| warm start (baseline) | " + " | ".join(f"{result['baseline'][g][key]:.3f}" for g in groups) + " | |"]
+    for run, evals in result["runs"].items():
+        for step, ev in evals:
+            lines.append(f"| {run} step {step} | " + " | ".join(f"{ev[g][key]:.3f}" for g in groups)
+                         + f" | {ev['all'][key] - base:+.3f} |")
+    return "\n".join(lines)
+
+
+def checkpoints_figure(result: dict, key: str, path: Path, title: str) -> None:
+    """A panel per group (and all): `key` per checkpoint step, a line per run, the baseline dashed."""
+    groups = list(result["baseline"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.2), squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        ax.axhline(result["baseline"][g][key], color="k", ls="--", lw=1, label="warm start")
+        for i, (run, evals) in enumerate(result["runs"].items()):
+            ax.plot([s for s, _ in evals], [ev[g][key] for _, ev in evals], "o-", color=f"C{i}", ms=3,
+                    label=Path(run).name)
+        ax.set(title=g, xlabel="checkpoint step", ylabel=key)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle("\n".join(textwrap.wrap(title, 40 * len(groups))), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def checkpoints_main(argv: list) -> None:
+    p = config.OneLineParser(prog="compare.py checkpoints",
+                             description="Evaluate the warm start and every checkpoint of the runs on the "
+                                         "same held-out prompts, broken down by the task's group.")
+    p.add_argument("runs", nargs="+", type=Path, help="run folders (with checkpoints/)")
+    p.add_argument("--samples", type=int, default=16, help="samples per held-out prompt")
+    p.add_argument("--out", type=Path, default=Path("runs/checkpoints"))
+    args = p.parse_args(argv)
+    if args.samples < 1:
+        p.error(f"--samples must be >= 1, got {args.samples}")
+    problem = checkpoints_problem(args.runs)
+    if problem:
+        p.error(problem)
+    if not config.writable(args.out):
+        p.error(f"--out: cannot create or write to the folder {str(args.out)!r}")
+    result = evaluate_checkpoints(args.runs, args.samples, log=lambda s: print(s, file=sys.stderr))
+    task = tasks.TASKS[run_config(args.runs[0]).task]
+    key = task.HEADLINE[0]
+    text = checkpoints_table(result, key)
+    (args.out / "table.md").write_text(text + "\n")
+    (args.out / "checkpoints.json").write_text(json.dumps(result, indent=1))
+    made = plots.made_by(json.loads((args.runs[0] / "config.json").read_text()))
+    checkpoints_figure(result, key, args.out / "checkpoints.png",
+                       f"held-out {key} by {task.GROUP_KEY}, {args.samples} samples per prompt; {made}")
+    print(f"held-out {key} by {task.GROUP_KEY} ({args.samples} samples per prompt, seed {CHECKPOINT_SEED})\n\n{text}")
+    print(f"\nwrote {args.out}/table.md, checkpoints.json and checkpoints.png")
+
+
 if __name__ == "__main__":
     try:
+        if sys.argv[1:2] == ["checkpoints"]:
+            checkpoints_main(sys.argv[2:])
+            sys.exit(0)
         main()
     except KeyboardInterrupt:
         print("compare.py: interrupted; the finished runs' folders are kept", file=sys.stderr)

@@ -144,6 +144,28 @@ def plot_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
     return path
 
 
+def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
+    """values: {bar label: {group: [one value per seed]}}: per group, a bar per label at the
+    mean over seeds, the seeds as dots."""
+    labels = list(values)
+    groups = list(next(iter(values.values())))
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(groups), 3.6))
+    for i, label in enumerate(labels):
+        for j, g in enumerate(groups):
+            xs, x = values[label][g], j + (i - (len(labels) - 1) / 2) * width
+            ax.bar(x, sum(xs) / len(xs), width, color=f"C{i}", label=label if j == 0 else None)
+            ax.plot([x] * len(xs), xs, "k.", ms=3)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set(ylabel=ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def plot_monitor(path: Path, rows: list, title: str) -> Path:
     """A run's curves with the stability monitor's alerts as shaded steps, one band per alert."""
     rows = [r for r in rows if "valid_rate" in r]
