@@ -45,6 +45,7 @@ import config
 import evaluate
 import plots
 import report
+import rollout
 import tasks
 import train
 
@@ -281,7 +282,7 @@ def evaluate_checkpoints(runs: list, samples: int, kept_only: bool = False, log=
     cfg = dataclasses.replace(run_config(runs[0]), init_from="", device="cpu")
     task = tasks.TASKS[cfg.task]
     model, tok = train.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
-    models, sampling, prompts = train.rollout.Models(model, tok), config.sampling(cfg), task.prompts("eval")
+    models, sampling, prompts = rollout.Models(model, tok), config.sampling(cfg), task.prompts("eval")
     out = {"baseline": evaluate.by_group(models, task, prompts, sampling, samples, CHECKPOINT_SEED), "runs": {}}
     for run in runs:
         ckpts = [checkpoint.starting_point(run)] if kept_only else sorted(checkpoint.candidates(run))
