@@ -39,6 +39,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import transformers
 
 import checkpoint
 import config
@@ -279,6 +280,7 @@ def evaluate_checkpoints(runs: list, samples: int, kept_only: bool = False, log=
     """{"baseline": evaluate.by_group of the warm start, "runs": {run: [(step, by_group), ...]}}
     for every checkpoint of each run, oldest first (kept_only: only the one a later stage
     would start from, checkpoint.starting_point), all on the same held-out prompts and seed."""
+    transformers.utils.logging.disable_progress_bar()                       # one bar per checkpoint load
     cfg = dataclasses.replace(run_config(runs[0]), init_from="", device="cpu")
     task = tasks.TASKS[cfg.task]
     model, tok = train.load(cfg, task, "cpu", log=lambda s: None)        # the warm start

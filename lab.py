@@ -1,8 +1,8 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python lab.py                        # all nine experiments, 6 seeds per setting (25 min 46 s on 2 CPU cores)
+    python lab.py                        # all ten experiments, 6 seeds per setting (README: its time)
     python lab.py group_norm tools       # some of them
-    python lab.py --quick                # all nine, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python lab.py --quick                # all ten, 2 seeds, a few steps, into runs/lab-quick (CI)
     python lab.py --list                 # the experiments and the report each comes from
     python lab.py --model smollm2-135m --jobs 4 group_norm   # on a real model, into results/smollm2-135m
 
@@ -315,7 +315,7 @@ def rce_grpo(lab: Lab) -> dict:
     best = {"warm start": {g: [ev["baseline"][g]["best_rate"]] for g in groups}, **best}
     plots.plot_grouped_bars(lab.dir("rce_grpo") / "by_type.png", best, "held-out best rate",
                             f"report 003's pipelines on the DSL task, composite reward, {lab.seeds} seeds; kept "
-                            f"checkpoints, fresh seed")
+                            f"checkpoints, fresh seed; {plots.made_by(json.loads((folders[0] / 'config.json').read_text()))}")
     lines = ["| pipeline | " + " | ".join(groups) + " | vs warm start (all) | steps run |",
              "|" + "---|" * (len(groups) + 3)]
     for label, by_group in best.items():

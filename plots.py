@@ -7,6 +7,7 @@ lab.py draws every figure of the README with these functions (and compare.py's).
 """
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -158,7 +159,7 @@ def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path
             ax.plot([x] * len(xs), xs, "k.", ms=3)
     ax.set_xticks(range(len(groups)), groups)
     ax.set(ylabel=ylabel)
-    ax.set_title(title, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
