@@ -12,7 +12,6 @@ a rule stated in the code below (never tuned to agree). results/SUMMARY.md colle
 """
 import argparse
 import json
-import os
 import re
 import statistics
 import sys
@@ -490,15 +489,12 @@ def main(argv=None):
     p.add_argument("--list", action="store_true")
     p.add_argument("--model", default="", help="run on a real model (train.py --model, e.g. smollm2-135m), "
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
-    p.add_argument("--jobs", type=int, default=0,
-                   help="run each setting's seeds as this many parallel processes; 0 = one per CPU core "
-                        "(at most the seeds), or 1 with --quick, whose runs are shorter than a process's start")
+    # --jobs 1 (the default) runs every seed in this process, one after another; more jobs start
+    # a process per run, whose imports cost more than short runs gain on 2 cores (README, "The lab")
+    p.add_argument("--jobs", type=int, default=1, help="run each setting's seeds as this many parallel processes")
     args = p.parse_args(argv)
-    if args.jobs < 0:
-        p.error(f"--jobs must be >= 1 (or 0 = auto), got {args.jobs}")
-    # the tiny model's steps are mostly Python overhead, so two 1-thread runs on 2 cores do
-    # 1.7x the work of one 2-thread run (measured: two 60-step runs side by side in 22 s, one in 18 s)
-    args.jobs = args.jobs or (1 if args.quick else max(1, min(os.cpu_count() or 1, SEEDS)))
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.model:
         problem = config.validate_model(args.model)
         if problem:
