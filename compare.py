@@ -320,8 +320,9 @@ def checkpoints_figure(result: dict, key: str, path: Path, title: str) -> None:
     for ax, g in zip(axes[0], groups):
         ax.axhline(result["baseline"][g][key], color="k", ls="--", lw=1, label="warm start")
         for i, (run, evals) in enumerate(result["runs"].items()):
+            name = "/".join(Path(run).parts[-2:])                     # setting/seed, as compare.py names them
             ax.plot([s for s, _ in evals], [ev[g][key] for _, ev in evals], "o-", color=f"C{i}", ms=3,
-                    label=Path(run).name)
+                    label=name if len(name) <= 40 else name[:18] + "..." + name[-19:])
         ax.set(title=g, xlabel="checkpoint step", ylabel=key)
     axes[0][0].legend(fontsize=6)
     fig.suptitle("\n".join(textwrap.wrap(title, 40 * len(groups))), fontsize=9)

@@ -4,6 +4,8 @@
     python train.py --k 2 --batch 3 --norm group   # report 001's setting, for contrast
     python train.py --algo ppo                     # PPO: a value head, GAE, the same task
     python train.py --task tools --reward sparse   # report 000: a multi-turn tool agent
+    python train.py --algo rce --reward composite --save-every 20 --out runs/rce   # report 003's RCE ...
+    python train.py --init-from runs/rce --reward composite                        # ... then GRPO from it
     python train.py --model smollm2-135m --k 4 --batch 4 --lr 2e-5 --steps 20   # a real LLM (README, Lesson 5)
     python train.py --help                         # every flag, with its meaning
 
