@@ -240,3 +240,17 @@ def test_compare_checkpoints_evaluates_the_warm_start_and_every_checkpoint(tmp_p
 
 def test_a_second_stages_setting_names_each_seeds_first_stage_run():
     assert compare.slug("--init-from runs/x/s{seed} --k 2") == "init-from_runs_x_sS_k_2"
+
+
+def test_pruning_spares_the_best_checkpoint_and_a_later_stage_starts_from_it(tmp_path):
+    import checkpoint
+    run_dir = tmp_path / "run"
+    for step in (0, 10, 20, 30):
+        (run_dir / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step-{step:06d}" / checkpoint.STATE_FILE).write_bytes(b"")
+    best = run_dir / "checkpoints" / "step-000010"
+    gone = checkpoint.prune(run_dir, keep=1, spare=best)
+    assert sorted(p.name for p in gone) == ["step-000000", "step-000020"]
+    assert checkpoint.starting_point(run_dir).name == "step-000030", "no summary: the newest"
+    (run_dir / "summary.json").write_text(json.dumps({"best_checkpoint": "checkpoints/step-000010"}))
+    assert checkpoint.starting_point(run_dir) == best, "the summary names the best: that one"
