@@ -62,8 +62,9 @@ class Lab:
 
     def shrink(self, flags: str) -> str:
         """--quick: every --steps N becomes N // 15 (at least 4; --warmup-steps and --save-every
-        too, at least 1). --model: every --steps N (and those two) becomes N // REAL_STEPS_DIVISOR and every --lr x becomes
-        x * REAL_LR_SCALE (before --quick shrinks the steps further)."""
+        too, at least 1). --model: every --steps N (and those two) becomes
+        N // REAL_STEPS_DIVISOR and every --lr x becomes x * REAL_LR_SCALE (before --quick
+        shrinks the steps further)."""
         if self.model:
             flags = re.sub(r"--(steps|warmup-steps|save-every) (\d+)",
                            lambda m: f"--{m.group(1)} {max(1, int(m.group(2)) // REAL_STEPS_DIVISOR)}", flags)
