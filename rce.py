@@ -1,7 +1,7 @@
 """RCE: reward-weighted cross-entropy, the first stage of report 003's system.
 
-    python train.py --algo rce --steps 60                      # RCE alone, tau 1.7 -> 0.5
-    python train.py --init-from runs/RCE_RUN --beta 0.05 --kl-control range   # then GRPO
+    python train.py --algo rce --steps 60 --save-every 20 --out runs/rce     # RCE, tau 1.7 -> 0.5
+    python train.py --init-from runs/rce --beta 0.05 --kl-control range       # then GRPO from it
 
 Per prompt, the K sampled candidates y_1..y_K with rewards r_1..r_K become a target
 distribution over the candidates, a softmax of the rewards at temperature tau:
@@ -28,8 +28,8 @@ policy gradient whose "advantages" K*w_i are never negative. There is no baselin
 whose K candidates are all wrong (equal rewards) gets w_i = 1/K and its wrong answers are
 imitated as firmly as a right answer is elsewhere. GRPO's advantages sum to zero within a
 group, so such a prompt contributes nothing there. Its loop is grpo.update's (no ratio, no
-clipping, no KL term: the loss below replaces the clipped surrogate); `python lab.py rce_grpo` measures
-RCE-only, RCE -> GRPO and GRPO-only against the warm start.
+clipping, no KL term: the loss below replaces the clipped surrogate); `python lab.py
+rce_grpo` measures RCE-only, RCE -> GRPO and GRPO-only against the warm start.
 """
 import torch
 
