@@ -277,12 +277,21 @@ def starting_point(run_dir: Path) -> Path | None:
     return find(run_dir)
 
 
-def load_weights(ckpt: Path, model) -> None:
-    """The checkpoint's weights into model (nothing else: --init-from starts a new run)."""
+def read_weights(ckpt: Path, model) -> dict:
+    """The checkpoint's weights as a state dict for model (float32), model untouched; ValueError
+    when they are another model's."""
     weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
     if set(weights) != set(model.state_dict()):
-        raise ResumeError(f"--init-from: the weights in {str(ckpt)!r} do not match this run's model")
-    model.load_state_dict(weights)
+        raise ValueError("its weights do not match the model")
+    return weights
+
+
+def load_weights(ckpt: Path, model) -> None:
+    """The checkpoint's weights into model (nothing else: --init-from starts a new run)."""
+    try:
+        model.load_state_dict(read_weights(ckpt, model))
+    except ValueError as e:
+        raise ResumeError(f"--init-from: {str(ckpt)!r}: {e}") from e
 
 
 def run_dir_of(ckpt: Path) -> Path:
@@ -313,11 +322,8 @@ def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) 
 def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
     """Load weights, optimizer and RNG states from a checkpoint; return its loop state. Nothing
     is changed unless everything loads."""
-    saved = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32)
+    weights = read_weights(ckpt, model)
     state = torch.load(Path(ckpt) / STATE_FILE, weights_only=True)
-    weights = saved.state_dict()
-    if set(weights) != set(model.state_dict()):
-        raise ValueError("its weights do not match the model")
     before = optimizer.state_dict()
     try:
         optimizer.load_state_dict(state["optimizer"])

@@ -254,9 +254,7 @@ CHECKPOINT_SEED = 4321          # not evaluate.EVAL_SEED: the runs picked their 
 
 def run_config(run: Path) -> config.Config:
     """The configuration a run was made with (its config.json)."""
-    saved = json.loads((Path(run) / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(config.Config)}
-    return config.Config(**{k: v for k, v in saved.items() if k in names})
+    return config.Config(**config.saved_fields(run))
 
 
 def checkpoints_problem(runs: list) -> str | None:

@@ -327,6 +327,14 @@ def writable(folder: Path) -> bool:
         return False
 
 
+def saved_fields(run_dir: Path) -> dict:
+    """The Config fields a run was made with (its config.json, less ran_on and any field this
+    version no longer has); OSError or ValueError when it cannot be read."""
+    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    names = {f.name for f in dataclasses.fields(Config)}
+    return {k: v for k, v in saved.items() if k in names}
+
+
 SAME_MODEL = ("task", "model", "hidden", "layers")     # what a run started --init-from another must share
 
 
@@ -337,7 +345,7 @@ def init_from_problem(cfg: Config) -> str | None:
     if ckpt is None:
         return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
     try:
-        saved = json.loads((checkpoint.run_dir_of(ckpt) / "config.json").read_text())
+        saved = saved_fields(checkpoint.run_dir_of(ckpt))
     except (OSError, ValueError):
         return f"cannot read {str(checkpoint.run_dir_of(ckpt) / 'config.json')!r}"
     for name in SAME_MODEL:
@@ -450,11 +458,9 @@ def resumed_config(cfg: Config, given: dict) -> Config:
                           f"with checkpoints/step-*/ or a checkpoint folder)")
     run_dir = checkpoint.run_dir_of(ckpt)
     try:
-        saved = json.loads((run_dir / "config.json").read_text())
+        saved = saved_fields(run_dir)
     except (OSError, ValueError):
         raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r}")
-    names = {f.name for f in dataclasses.fields(Config)}
-    saved = {k: v for k, v in saved.items() if k in names}
     saved["out"] = str(run_dir)
     for name, value in given.items():
         if name in RESUME_MAY_CHANGE:
