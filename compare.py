@@ -23,15 +23,18 @@ the task's group (problem type for the DSL task, as report 003 broke accuracy do
 shots): OUT/table.md, OUT/checkpoints.json and OUT/checkpoints.png.
 """
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import multiprocessing
 import os
 import shlex
 import subprocess
 import statistics
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import torch
 import transformers
 
 import checkpoint
@@ -60,16 +64,17 @@ class Launch:
 
 def run_one(argv: list, launch: Launch) -> dict:
     """One train.py run (argv includes --seed and --out); its summary. One job of one process:
-    in this process. Else as a process of its own (under torchrun with launch.nproc ranks),
-    one of launch.jobs at a time, each process with its share of the CPU threads, so seeds
-    run side by side on a many-core or GPU machine."""
+    in this process. More jobs of one process: in one of launch.jobs worker processes that
+    live as long as this one (pool), each with its share of the CPU threads. Several
+    processes per run: train.py under torchrun, a process of its own per run."""
     if launch == Launch():
         summary = train.train(config.parse_config(argv))
+    elif launch.nproc == 1:
+        summary = pool(launch.jobs).submit(run_in_worker, argv).result()
     else:
         threads = str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
         torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.nproc}"]
-        done = subprocess.run([sys.executable, *(torchrun if launch.nproc > 1 else []),
-                               str(Path(__file__).with_name("train.py")), *argv],
+        done = subprocess.run([sys.executable, *torchrun, str(Path(__file__).with_name("train.py")), *argv],
                               env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True)
         out = Path(argv[argv.index("--out") + 1])
         if not (out / "summary.json").exists():     # it ended before it could write its summary
@@ -81,6 +86,35 @@ def run_one(argv: list, launch: Launch) -> dict:
     return summary
 
 
+# Worker processes, started once and reused by every run: a process's imports (torch,
+# transformers) take about 8 s on a 2-core CPU, longer than a short run of the tiny model.
+_POOLS: dict = {}
+
+
+def pool(jobs: int) -> ProcessPoolExecutor:
+    """The pool of `jobs` worker processes (spawned, so no thread or CUDA state is inherited),
+    each limited to cpu_count // jobs threads."""
+    if jobs not in _POOLS:
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        _POOLS[jobs] = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                           initializer=torch.set_num_threads, initargs=(threads,))
+    return _POOLS[jobs]
+
+
+def run_in_worker(argv: list) -> dict:
+    """train.train in a worker; bad flags (exit 2, one line on stderr) and a crash come back
+    as a RuntimeError that names the command and the last line, as a process of its own would."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return train.train(config.parse_config(argv))
+    except SystemExit as e:
+        tail = (err.getvalue().strip().splitlines() or ["(nothing)"])[-1]
+        raise RuntimeError(f"train.py {shlex.join(argv)} exited {e.code}: {tail}") from None
+    except Exception as e:
+        raise RuntimeError(f"train.py {shlex.join(argv)} failed: {type(e).__name__}: {e}") from None
+
+
 def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, launch: Launch = Launch()) -> list[dict]:
     """Every seed of one setting; "{seed}" in a flag becomes the seed (a second stage's
     --init-from RUN/s{seed} starts each seed from the first stage's run of the same seed)."""
@@ -89,8 +123,8 @@ def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, laun
             for seed in range(seeds)]
     if launch.jobs == 1:                            # in this (main) thread: Ctrl-C stops a run cleanly
         return [run_one(r, launch) for r in runs]
-    with ThreadPoolExecutor(launch.jobs) as pool:   # threads that each wait on a process
-        return list(pool.map(lambda r: run_one(r, launch), runs))
+    with ThreadPoolExecutor(launch.jobs) as waiters:    # threads that each wait on a worker or process
+        return list(waiters.map(lambda r: run_one(r, launch), runs))
 
 
 def slug(setting: str) -> str:

@@ -51,3 +51,19 @@ def test_on_a_real_model_the_lab_scales_lr_and_steps_and_keeps_k_and_b(tmp_path)
     assert lab.Lab(tmp_path, quick=False).shrink("--steps 150 --lr 1e-3") == "--steps 150 --lr 1e-3"
     quick_real = lab.Lab(tmp_path, quick=True, model="smollm2-135m")
     assert quick_real.shrink("--steps 150 --lr 1e-3") == "--steps 4 --lr 1e-05"
+
+
+def test_pooled_runs_reuse_their_workers_and_match_a_run_in_this_process(tmp_path):
+    """--jobs N runs seeds in N worker processes started once (compare.pool); a worker has
+    fewer threads than this process, which must not change a run of the tiny model."""
+    import compare
+    argv = "--steps 3 --batch 2 --k 4 --eval-every 2 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1".split()
+    here = compare.run_one(argv + ["--out", str(tmp_path / "here")], compare.Launch())
+    pooled = compare.run_one(argv + ["--out", str(tmp_path / "pooled")], compare.Launch(jobs=2))
+    workers = set(compare.pool(2)._processes)
+    compare.run_one(argv + ["--seed", "1", "--out", str(tmp_path / "again")], compare.Launch(jobs=2))
+    assert set(compare.pool(2)._processes) == workers and len(workers) >= 1
+    assert pooled["out"] == str(tmp_path / "pooled") and pooled["steps"] == here["steps"] == 3
+    lines = lambda run: [{k: v for k, v in json.loads(x).items() if k != "seconds"}
+                         for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert lines("pooled") == lines("here")
