@@ -60,6 +60,9 @@ class Config:
                     "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)")
     clip_eps: float = opt(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
     clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
+    ratio_level: str = opt("token", "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the "
+                           "geometric mean of its token ratios; its paper clips at --clip-eps 3e-4 "
+                           "--clip-eps-high 4e-4)", choices=grpo.RATIO_LEVELS)
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
     min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
@@ -93,6 +96,10 @@ class Config:
     value_clip: float = opt(0.2, "PPO: value-loss clip range around the old values; 0 = unclipped")
     gamma: float = opt(1.0, "PPO: discount per token")
     lam: float = opt(0.95, "PPO: GAE lambda")
+    dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: drop groups whose K rewards are all equal "
+                                 "and sample more prompts until B groups differ (dynamic_sampling.py)")
+    max_sampling_rounds: int = opt(8, "--dynamic-sampling: rounds of B prompts at most per step; at the cap "
+                                   "the step trains on the groups it kept")
     skip_all_fallback: bool = opt(False, "report 001's guard: no update when every sample is fallback text")
     # sampling
     temperature: float = opt(1.0, "sampling temperature for rollouts and evaluation")
@@ -164,7 +171,8 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         mini_batch=mini_batch, micro_batch=cfg.micro_batch or mini_batch, algo=cfg.algo,
         k=cfg.k, norm=cfg.norm, unbiased=cfg.unbiased, adv_clip=cfg.adv_clip or None,
         kl_in_reward=cfg.kl_in_reward, gamma=cfg.gamma, lam=cfg.lam,
-        clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, beta=cfg.beta,
+        clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, ratio_level=cfg.ratio_level,
+        beta=cfg.beta,
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
         max_len=new_tokens(cfg) * (cfg.max_turns if cfg.task == "tools" else 1),
         temperature=cfg.temperature, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip,
@@ -211,6 +219,17 @@ def validate(cfg: Config) -> Config:
          f"other and needs --k >= 2, got {cfg.k}")
     need(cfg.algo != "rce" or (cfg.beta == 0 and cfg.kl_control == "fixed"), "beta",
          "--algo rce has no KL term (rce.py); leave --beta at 0 and --kl-control fixed")
+    need(cfg.ratio_level == "token" or cfg.algo == "grpo", "ratio-level",
+         f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} "
+         + ("has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)"))
+    need(not cfg.dynamic_sampling or cfg.algo == "grpo", "dynamic-sampling",
+         f"drops the groups a group baseline gives advantage 0; --algo {cfg.algo} "
+         + ("gives every token a baseline from its critic" if cfg.algo == "ppo" else "imitates them instead"))
+    need(not cfg.dynamic_sampling or cfg.k >= 2, "dynamic-sampling", f"compares the K rewards of a group and "
+         f"needs --k >= 2, got {cfg.k}")
+    need(not cfg.dynamic_sampling or not distributed.launched(), "dynamic-sampling",
+         "not under torchrun: ranks would sample different numbers of rounds (dynamic_sampling.py)")
+    need(cfg.max_sampling_rounds >= 1, "max-sampling-rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
     need(cfg.rce_temp_start > 0, "rce-temp-start", f"must be > 0, got {cfg.rce_temp_start}")
     need(cfg.rce_temp_end > 0, "rce-temp-end", f"must be > 0, got {cfg.rce_temp_end}")
     need(cfg.reward != "composite" or cfg.task == "dsl", "reward",

@@ -8,7 +8,7 @@ trained on: rollout.py).
 
 Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
 
-    ratio_it  = exp(logp_it - logp_old_it)
+    ratio_it  = exp(logp_it - logp_old_it)        (--ratio-level sequence: GSPO's s_i, importance_ratio)
     surrogate = min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)     (PPO)
     kl_it     = a per-token estimate of KL(policy || reference)                    (kl.py; k3 default)
     loss_it   = -surrogate + beta * kl_it - entropy_coef * H_it
@@ -66,6 +66,7 @@ class HyperParams:
     # the loss
     clip_low: float = 0.2            # ratio kept in [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
+    ratio_level: str = "token"       # token (PPO) or sequence (GSPO): importance_ratio
     beta: float = 0.0                # KL coefficient (this step's, kl.py)
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0        # entropy bonus (this step's, schedules.py)
@@ -108,19 +109,46 @@ def prepare(batch, hp: HyperParams) -> None:
 
 # ---- the loss ----
 
-def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float):
+RATIO_LEVELS = ("token", "sequence")
+
+
+def importance_ratio(logp, old_logp, mask, level: str):
+    """How much more likely the policy now makes what was sampled than the policy that sampled.
+
+    token (PPO, GRPO)        ratio_it = exp(logp_it - logp_old_it)                      (n, C)
+    sequence (GSPO, report 001's fix E; TRL importance_sampling_level="sequence", verl "gspo")
+                             s_i = exp( (1/|y_i|) * sum_t (logp_it - logp_old_it) )      (n, 1)
+
+    s_i is the geometric mean of sequence i's token ratios: one weight per sequence, the unit
+    a sequence reward (GRPO's advantage) is given in; the length normalisation keeps it near 1
+    whatever the length, so GSPO clips it far more tightly (its paper: eps 3e-4 / 4e-4)."""
+    if level == "token":
+        return torch.exp(logp - old_logp)                                       # (n, C)
+    m = mask.to(logp.dtype)
+    mean_log_ratio = ((logp - old_logp) * m).sum(1) / m.sum(1).clamp_min(1)    # (n,)
+    return torch.exp(mean_log_ratio).unsqueeze(1)                               # (n, 1)
+
+
+def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float, mask=None, level: str = "token"):
     """PPO's clipped objective per token, to be maximised, and where clipping bites.
 
-    logp, old_logp: (n, C); adv: (n,) one per sequence (GRPO) or (n, C) one per token (PPO).
+    logp, old_logp: (n, C); adv: (n,) one per sequence (GRPO) or (n, C) one per token (PPO);
+    mask (n, C): the policy's tokens (needed by level "sequence", whose ratio averages them).
+    With the sequence ratio (GSPO), every token of sequence i carries the same
+    L_i = -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i): aggregated with
+    seq-mean-token-mean the loss is GSPO's mean over sequences of L_i, and unclipped
+    dL_i/dlogp_it = -A_i * s_i / |y_i| (clipped: 0). A one-token sequence's s_i is its token
+    ratio: the two levels then give the same loss. PPO's advantages are per token, so the
+    sequence level is GRPO's and RCE has no ratio (config.py refuses both).
     Returns (surrogate (n, C), clipped (n, C) bool).
     """
-    ratio = torch.exp(logp - old_logp)                                      # (n, C)
+    ratio = importance_ratio(logp, old_logp, mask, level)                   # (n, C) or (n, 1)
     a = adv.unsqueeze(1) if adv.dim() == 1 else adv                         # (n, 1) or (n, C)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * a
     # min(): the objective never rewards moving the ratio past the clip range.
-    surrogate = torch.min(unclipped, clipped)                               # (n, C)
-    return surrogate, clipped < unclipped
+    surrogate = torch.min(unclipped, clipped)                               # (n, C) or (n, 1)
+    return surrogate.expand_as(logp), (clipped < unclipped).expand_as(logp)
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")
@@ -158,7 +186,8 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     reference and the KL in the loss; ref_kl (k3, whichever estimator the loss uses) is
     measured whenever there is a reference."""
     mask = rows.mask                                                            # (n, C)
-    surrogate, clipped = clipped_surrogate(logp, old_logp, rows.advantages, hp.clip_low, hp.clip_high)
+    surrogate, clipped = clipped_surrogate(logp, old_logp, rows.advantages, hp.clip_low, hp.clip_high,
+                                           mask, hp.ratio_level)
     per_token = -surrogate                                                      # (n, C)
     sums = {}
     if rows.ref_logp is not None:

@@ -46,6 +46,7 @@ from safetensors import SafetensorError
 import checkpoint
 import config
 import distributed
+import dynamic_sampling
 import evaluate
 import grpo
 import kl
@@ -103,21 +104,34 @@ class Learner:
     autocast: Callable               # bf16 autocast on a GPU; nothing on a CPU
     scorer: torch.nn.Module          # what the update differentiates: logprobs.Scorer(policy, value
                                      # head), in DDP under torchrun (distributed.replicate)
+    dynamic_rounds: int = 0          # --dynamic-sampling: sampling rounds at most per step; 0 = off
 
 
-def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
+def sample_rollouts(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callable):
+    """The step's rollouts, rewarded: B prompts x K samples, or with --dynamic-sampling rounds
+    of B fresh prompts (draw()) until B groups' rewards differ (dynamic_sampling.py).
+    Returns (batch, outcomes, their prompts, the sampling's metrics); batch None when the
+    policy's logits were non-finite."""
+    def one_round(prompts):
+        with learner.autocast():
+            return learner.task.sample(learner.models, prompts, hp.k, learner.sampling,
+                                       record_old_logp=not hp.reuse_old_logp)           # rewards (N,)
+    try:
+        if learner.dynamic_rounds:    # DAPO: keep only groups whose rewards differ
+            return dynamic_sampling.sample(one_round, draw, prompts, hp.k, learner.dynamic_rounds)
+        return (*one_round(prompts), prompts, {})
+    except rollout.NonFiniteLogits:
+        return None, None, prompts, {}
+
+
+def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callable):
     """One step on B prompts: rollout -> reward -> advantage -> update (GRPO or PPO).
 
-    Returns the batch (rollout.Rollout), the rollouts' outcomes (the task's: classes or
-    episodes), the step's rollout metrics (report.rollout_metrics) and the update's
-    statistics (report.no_update's when no update was taken)."""
-    models = learner.models
-    try:
-        with learner.autocast():
-            batch, outcomes = learner.task.sample(models, prompts, hp.k, learner.sampling,
-                                                  record_old_logp=not hp.reuse_old_logp)   # rewards (N,)
-    except rollout.NonFiniteLogits:
-        batch = None
+    draw() gives B fresh prompts (--dynamic-sampling's further rounds). Returns the batch
+    (rollout.Rollout), the rollouts' outcomes (the task's: classes or episodes), their
+    prompts, the step's rollout metrics (report.rollout_metrics) and the update's statistics
+    (report.no_update's when no update was taken)."""
+    batch, outcomes, prompts, extra = sample_rollouts(learner, prompts, hp, draw)
     # Under torchrun every decision that skips work is taken by all ranks together
     # (distributed.any_rank), or one rank would wait forever in a collective the others skip.
     if distributed.any_rank(batch is None):
@@ -133,7 +147,7 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
         rce.prepare(batch, hp)                                           # weights w (N,), in advantages
     else:
         ppo.prepare(batch, hp)                                           # advantages, returns (N, C)
-    row = report.rollout_metrics(batch, outcomes, learner.task, hp)
+    row = dict(report.rollout_metrics(batch, outcomes, learner.task, hp), **extra)
     stats = report.no_update() if finite else report.no_update("reward")
 
     # GRPO without KL or entropy terms has nothing to learn from all-zero advantages (and
@@ -150,7 +164,7 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams):
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")
-    return batch, outcomes, row, stats
+    return batch, outcomes, prompts, row, stats
 
 
 # ---- the run's memory ----
@@ -257,7 +271,7 @@ def start(cfg: Config, out: Path) -> Run:
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer,
-                      config.sampling(cfg), autocast, scorer)
+                      config.sampling(cfg), autocast, scorer, cfg.max_sampling_rounds if cfg.dynamic_sampling else 0)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
     stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,
@@ -448,19 +462,24 @@ def train(cfg: Config) -> dict:
         return report.finish(task, out, state, run.stability.episodes, run.log)
 
 
+def draw_prompts(run: Run) -> list:
+    """A step's B training prompts (this rank's share of them under torchrun)."""
+    train, b = run.prompts["train"], run.cfg.batch
+    prompts = run.rng.sample(train, b) if b <= len(train) else run.rng.choices(train, k=b)
+    return distributed.shard(prompts)                # torchrun: this rank's B/W of them, groups whole
+
+
 def one_step(run: Run, step: int, interrupts: checkpoint.Interrupts) -> bool:
     """Step `step`: its prompts (this rank's share of them), rl_step, the bookkeeping, the
     held-out evaluation when due, the logs, a checkpoint when due. True: the run stops here."""
     cfg, state, task = run.cfg, run.state, run.learner.task
     t0 = time.time()
     hp = step_hyper_params(run, step)
-    prompts = run.rng.sample(run.prompts["train"], cfg.batch) \
-        if cfg.batch <= len(run.prompts["train"]) else run.rng.choices(run.prompts["train"], k=cfg.batch)
-    prompts = distributed.shard(prompts)             # torchrun: this rank's B/W of them, groups whole
+    prompts = draw_prompts(run)
     if distributed.launched():
         torch.manual_seed(distributed.sampling_seed(cfg.seed, step))   # its own draws, each step
     try:
-        batch, outcomes, row, stats = rl_step(run.learner, prompts, hp)
+        batch, outcomes, prompts, row, stats = rl_step(run.learner, prompts, hp, lambda: draw_prompts(run))
     except rollout.NonFiniteLogits:       # nothing could be sampled: a non-finite step
         batch, row, stats = None, report.no_rollout(task), report.no_update("logits")
     row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],

@@ -1,0 +1,100 @@
+"""DAPO's dynamic sampling (dynamic_sampling.py): which groups are kept, in what order, what
+happens at the cap, that merging rounds leaves every log-prob as it was, and a run's logs."""
+import json
+import math
+
+import pytest
+import torch
+
+import config
+import dynamic_sampling
+import logprobs
+import train
+from conftest import quick, synthetic_batch, tiny_model
+
+
+def test_informative_groups_by_hand():
+    r = torch.tensor([1.0, 1.0, 1.0, 0.2, 0.0, 0.0, math.nan, 0.0])     # K = 2
+    assert dynamic_sampling.informative(r, 2).tolist() == [False, True, False, True]
+
+
+def scripted(rounds: list, k: int):
+    """sample_round for the test: round j's rewards are rounds[j]; prompts are ids, outcomes
+    name their prompt and sample."""
+    calls = []
+    model = tiny_model()
+
+    def sample_round(prompts):
+        r = torch.tensor(rounds[len(calls)], dtype=torch.float)
+        calls.append(list(prompts))
+        batch = synthetic_batch(model, n=len(r), seed=len(calls))
+        batch.rewards = r
+        return batch, [f"{p}/{j}" for p in prompts for j in range(k)]
+    return sample_round, calls
+
+
+def test_rounds_go_on_until_b_groups_differ_and_keep_them_in_order():
+    # B = 3, K = 2: round 1 has one informative group (prompt 1), round 2 two (prompts 3, 5)
+    sample_round, calls = scripted([[1, 1, 0, 1, 0, 0], [1, 0, 0, 0, 0.2, 1], [1, 0, 1, 0, 1, 0]], 2)
+    fresh = iter([[3, 4, 5], [6, 7, 8]])
+    batch, outcomes, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1, 2], 2, 8)
+    assert calls == [[0, 1, 2], [3, 4, 5]], "stops as soon as B groups are kept"
+    assert prompts == [1, 3, 5] and outcomes == ["1/0", "1/1", "3/0", "3/1", "5/0", "5/1"]
+    assert batch.rewards.tolist() == pytest.approx([0, 1, 1, 0, 0.2, 1])
+    assert stats == dict(sampling_rounds=2, samples_generated=12, groups_kept=3)
+    assert len(batch.texts) == 6 and batch.completion_mask.shape[0] == 6
+
+
+def test_at_the_cap_the_step_keeps_fewer_groups_or_none():
+    sample_round, calls = scripted([[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 0]], 2)
+    fresh = iter([[2, 3], [4, 5]])
+    batch, _, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2, 2)
+    assert prompts == [1] and stats == dict(sampling_rounds=2, samples_generated=8, groups_kept=1)
+    sample_round, _ = scripted([[1, 1, 0, 0], [0, 0, 1, 1]], 2)
+    fresh = iter([[2, 3]])
+    batch, outcomes, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2, 2)
+    assert stats["groups_kept"] == 0 and prompts == [2, 3] and batch.rewards.tolist() == [0, 0, 1, 1], \
+        "none kept: the last round as sampled"
+
+
+def test_merging_rounds_pads_without_changing_any_log_prob():
+    model = tiny_model()
+    a = synthetic_batch(model, n=4, p_len=3, c_len=5, seed=1)
+    b = synthetic_batch(model, n=2, p_len=6, c_len=4, seed=2)
+    for x in (a, b):
+        x.rewards = torch.zeros(len(x.texts))
+    merged = dynamic_sampling.merge([a, b])
+    assert merged.prompt_ids.shape == (6, 6) and merged.completion_ids.shape == (6, 5)
+    assert (merged.prompt_mask[:4, :3] == 0).all() and (merged.completion_mask[4:, 4:] == 0).all()
+    with torch.no_grad():
+        whole, _ = logprobs.completion_logprobs(model, merged.tokens())
+        parts = [logprobs.completion_logprobs(model, x.tokens())[0] for x in (a, b)]
+    for rows, part in ((slice(0, 4), parts[0]), (slice(4, 6), parts[1])):
+        m = merged.completion_mask[rows][:, :part.shape[1]].bool()
+        assert torch.allclose(whole[rows][:, :part.shape[1]][m], part[m], atol=1e-5)
+    assert torch.equal(merged.old_logp[:4], a.old_logp) and (merged.old_logp[4:, 4:] == 0).all()
+
+
+def test_a_run_with_dynamic_sampling_logs_its_rounds_and_trains_on_differing_groups(tmp_path):
+    summary = train.train(config.parse_config(quick(tmp_path, "ds", "--dynamic-sampling", "--max-sampling-rounds",
+                                                    "3", "--sft-steps", "60")))
+    rows = [json.loads(x) for x in (tmp_path / "ds" / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert summary["steps"] == 3 and len(rows) == 3
+    for r in rows:
+        assert 1 <= r["sampling_rounds"] <= 3 and r["samples_generated"] == r["sampling_rounds"] * 2 * 4
+        assert 0 <= r["groups_kept"] <= 2
+        if r["groups_kept"] > 0:
+            assert r["frac_zero_std_groups"] == 0.0, "a kept batch holds no zero-variance group"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--dynamic-sampling", "--algo", "ppo"], "--dynamic-sampling"),
+    (["--dynamic-sampling", "--algo", "rce"], "--dynamic-sampling"),
+    (["--dynamic-sampling", "--k", "1", "--norm", "global"], "--dynamic-sampling"),
+    (["--max-sampling-rounds", "0"], "--max-sampling-rounds"),
+])
+def test_bad_dynamic_sampling_flags_exit_2_naming_the_flag(argv, flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(argv + ["--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err

@@ -1,0 +1,155 @@
+"""GSPO (--ratio-level sequence, report 001's fix E) against hand arithmetic: the sequence
+ratio, the loss and its gradient unclipped and clipped, a plain loop over sequences, and
+equality with the token-level loss when every sequence has one token."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import config
+import grpo
+import logprobs
+import train
+from conftest import quick, synthetic_batch, tiny_model
+
+
+def test_the_sequence_ratio_is_the_geometric_mean_of_its_token_ratios_by_hand():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.2, -0.1, 5.0], [0.3, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])                 # the 5.0 is padding: left out
+    s = grpo.importance_ratio(logp, old, mask, "sequence")
+    assert s.shape == (2, 1)
+    assert s.squeeze(1).tolist() == pytest.approx([math.exp((0.2 - 0.1) / 2), math.exp(0.3)])
+    assert torch.allclose(grpo.importance_ratio(logp, old, mask, "token"), torch.exp(logp))
+
+
+def gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2):
+    """The loss as the GSPO paper writes it, a plain loop: mean over sequences of L_i."""
+    losses = []
+    for i in range(len(logp)):
+        tokens = [t for t in range(logp.shape[1]) if mask[i, t]]
+        s = torch.exp(sum(logp[i, t] - old[i, t] for t in tokens) / len(tokens))
+        losses.append(-torch.min(s * adv[i], s.clamp(1 - eps_low, 1 + eps_high) * adv[i]))
+    return sum(losses) / len(losses)
+
+
+def our_loss(logp, old, adv, mask, agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, level="sequence"):
+    surrogate, _ = grpo.clipped_surrogate(logp, old, adv, eps_low, eps_high, mask, level)
+    return grpo.aggregate(-surrogate, mask, agg, len(logp), int(mask.sum()), logp.shape[1])
+
+
+def test_unclipped_gradient_is_minus_a_s_over_the_length_by_hand():
+    # one sequence of 3 policy tokens and a padding token; A = 2, ratio inside the clip range
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    logp = (old + torch.tensor([[0.1, -0.05, 0.04, 9.0]])).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss = our_loss(logp, old, torch.tensor([2.0]), mask)
+    s = math.exp((0.1 - 0.05 + 0.04) / 3)
+    assert loss.item() == pytest.approx(-2.0 * s, rel=1e-6)
+    loss.backward()
+    assert logp.grad[0, :3].tolist() == pytest.approx([-2.0 * s / 3] * 3, rel=1e-5)
+    assert logp.grad[0, 3].item() == 0.0, "padding gets no gradient"
+
+
+@pytest.mark.parametrize("shift, adv", [(0.3, 1.0), (-0.3, -1.0)])
+def test_clipped_sequence_gets_no_gradient(shift, adv):
+    # A > 0 with s above 1 + eps, or A < 0 with s below 1 - eps: the min keeps the clipped term
+    old = torch.zeros(1, 2)
+    logp = torch.full((1, 2), shift, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.long)
+    loss = our_loss(logp, old, torch.tensor([adv]), mask, eps_low=3e-4, eps_high=4e-4)
+    bound = 1 + 4e-4 if adv > 0 else 1 - 3e-4
+    assert loss.item() == pytest.approx(-bound * adv, rel=1e-6)
+    loss.backward()
+    assert logp.grad.abs().max().item() == 0.0
+    _, clipped = grpo.clipped_surrogate(logp, old, torch.tensor([adv]), 3e-4, 4e-4, mask, "sequence")
+    assert clipped.all(), "every token of a clipped sequence counts as clipped (clip_frac)"
+
+
+def test_loss_and_gradient_match_a_plain_loop_over_sequences():
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(5, 6, generator=gen) * 3
+    logp = (old + 0.2 * torch.randn(5, 6, generator=gen)).requires_grad_()
+    mask = torch.ones(5, 6, dtype=torch.long)
+    for i, n in enumerate([6, 3, 1, 4, 2]):
+        mask[i, n:] = 0
+    adv = torch.randn(5, generator=gen)
+    ours = our_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.05)
+    g_ours, = torch.autograd.grad(ours, logp)
+    ref = gspo_loss(logp, old, adv, mask, 0.05, 0.05)
+    g_ref, = torch.autograd.grad(ref, logp)
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert torch.allclose(g_ours, g_ref, atol=1e-7)
+    assert 0 < (g_ours.abs().sum(1) == 0).sum() < 5, "the draw clips some sequences and not others"
+
+
+@pytest.mark.parametrize("agg", grpo.AGGREGATIONS)
+def test_one_token_sequences_give_the_token_level_loss_and_gradient(agg):
+    gen = torch.Generator().manual_seed(1)
+    old = -torch.rand(8, 1, generator=gen)
+    logp = (old + 0.4 * torch.randn(8, 1, generator=gen)).requires_grad_()
+    mask = torch.ones(8, 1, dtype=torch.long)
+    adv = torch.randn(8, generator=gen)
+    seq = our_loss(logp, old, adv, mask, agg, level="sequence")
+    tok = our_loss(logp, old, adv, mask, agg, level="token")
+    g_seq, = torch.autograd.grad(seq, logp)
+    g_tok, = torch.autograd.grad(tok, logp)
+    assert seq.item() == pytest.approx(tok.item(), rel=1e-6)
+    assert torch.allclose(g_seq, g_tok, atol=1e-7)
+
+
+def test_policy_loss_reads_the_ratio_level_from_the_hyper_params():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.2, 0.0]])
+    rows = SimpleNamespace(mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), advantages=torch.tensor([1.0, -1.0]),
+                           ref_logp=None)
+    hp = grpo.HyperParams(mini_batch=2, micro_batch=2, ratio_level="sequence", clip_low=0.5, clip_high=0.5)
+    per_token, _ = grpo.policy_loss(logp, old, torch.zeros(2, 3), rows, hp)
+    assert per_token[0].tolist() == pytest.approx([-math.exp(0.2)] * 3)
+    assert per_token[1, :2].tolist() == pytest.approx([math.exp(-0.1)] * 2)
+
+
+def updated_weights(level: str, batch_old_logp: str):
+    """The tiny model's weights after one GRPO update at this ratio level (seq-mean-token-mean)."""
+    model = tiny_model()
+    batch = synthetic_batch(model)
+    if batch_old_logp == "on-policy":
+        batch.old_logp = None                     # the policy that sampled is this one: ratio 1
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hp = grpo.HyperParams(mini_batch=8, micro_batch=8, ratio_level=level, loss_agg="seq-mean-token-mean",
+                          clip_low=3e-4, clip_high=4e-4)
+    stats = grpo.update(logprobs.Scorer(model), opt, batch, hp)
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
+
+
+def test_on_policy_gspo_is_token_level_grpo_with_the_sequence_mean():
+    # One update on fresh samples: every s_i = 1, never clipped, and -A_i * s_i / |y_i| is the
+    # token-level gradient of seq-mean-token-mean. GSPO changes nothing until the samples
+    # are off-policy (a second epoch, a later mini-batch): it cannot touch K=2's +-1, which
+    # lives in the advantage (lab.group_norm runs it at report 001's on-policy setting).
+    seq, seq_stats = updated_weights("sequence", "on-policy")
+    tok, _ = updated_weights("token", "on-policy")
+    assert torch.allclose(seq, tok, atol=1e-6) and seq_stats["clip_frac"] == 0.0
+    seq_off, off_stats = updated_weights("sequence", "off-policy")
+    tok_off, _ = updated_weights("token", "off-policy")
+    assert not torch.allclose(seq_off, tok_off, atol=1e-4) and off_stats["clip_frac"] > 0, \
+        "off-policy (old log-probs 0.05 away) the two ratios differ"
+
+
+def test_a_gspo_run_writes_its_ratio_level(tmp_path):
+    summary = train.train(config.parse_config(quick(tmp_path, "gspo", "--ratio-level", "sequence",
+                                                    "--clip-eps", "3e-4", "--clip-eps-high", "4e-4")))
+    assert summary["steps"] == 3
+    assert json.loads((tmp_path / "gspo" / "config.json").read_text())["ratio_level"] == "sequence"
+
+
+@pytest.mark.parametrize("argv", [["--algo", "ppo", "--ratio-level", "sequence"],
+                                  ["--algo", "rce", "--ratio-level", "sequence"],
+                                  ["--ratio-level", "word"]])
+def test_sequence_ratio_outside_grpo_exits_2_naming_the_flag(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(argv + ["--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--ratio-level" in err, err
