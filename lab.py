@@ -1,8 +1,8 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python lab.py                        # all ten experiments, 6 seeds per setting (README: its time)
+    python lab.py                        # all eleven experiments, 6 seeds per setting (README: its time)
     python lab.py group_norm tools       # some of them
-    python lab.py --quick                # all ten, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python lab.py --quick                # all eleven, 2 seeds, a few steps, into runs/lab-quick (CI)
     python lab.py --list                 # the experiments and the report each comes from
     python lab.py --model smollm2-135m --jobs 4 group_norm   # on a real model, into results/smollm2-135m
 
@@ -120,15 +120,21 @@ def k2_pm1(lab: Lab) -> dict:
 
 # ---- 2. Group size and normalisation (report 001) ----
 
+# GSPO (report 001's fix E; grpo.importance_ratio) at the report's K=2/B=3, with its paper's
+# clip and mean over sequences. One update per step is on-policy: every s_i is 1 and its
+# gradient is token-level GRPO's with seq-mean-token-mean (tests/test_gspo.py).
+GSPO = "--k 2 --batch 3 --norm group --ratio-level sequence --clip-eps 3e-4 --clip-eps-high 4e-4 " \
+       "--loss-agg seq-mean-token-mean"
+
 def group_norm(lab: Lab) -> dict:
-    """K=2 vs K=8 under each norm, clipping, a fair budget, an aggressive lr (report 001)."""
+    """K=2 vs K=8 under each norm, clipping, GSPO, a fair budget, an aggressive lr (report 001)."""
     # The report's settings and fixes, and the fair budget it skipped. Trimmed for the lab's
     # 40 minutes (README, "How long the whole lab takes"): K=8/B=3 with batch, RLOO and
     # REINFORCE++-baseline norms, and K=2/B=3 run 4x longer, are in git history's tables.
     moderate = ["--k 8 --batch 8 --norm global", "--k 8 --batch 2 --norm group", "--k 2 --batch 3 --norm group",
                 "--k 8 --batch 3 --norm group", "--k 8 --batch 3 --norm drgrpo", "--k 8 --batch 3 --norm global",
                 "--k 2 --batch 3 --norm drgrpo --adv-clip 2", "--k 2 --batch 3 --norm global --adv-clip 3",
-                "--k 2 --batch 12 --norm group"]
+                "--k 2 --batch 12 --norm group", GSPO]
     m = lab.sweep("group_norm", moderate, "--steps 150 --lr 1e-3", ("eval_best_rate", "eval_valid_rate"))
     a = lab.sweep("group_norm_aggressive_lr", ["--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group",
                                                "--k 8 --batch 2 --norm group", "--k 8 --batch 8 --norm global"],
@@ -136,7 +142,7 @@ def group_norm(lab: Lab) -> dict:
     k2, k8b2, k8b3 = (m[lab.shrink(s)] for s in ("--k 2 --batch 3 --norm group", "--k 8 --batch 2 --norm group",
                                                    "--k 8 --batch 3 --norm group"))
     k2_agg, k8_agg = a[lab.shrink("--k 2 --batch 3 --norm group")], a[lab.shrink("--k 8 --batch 3 --norm group")]
-    fair = m[lab.shrink("--k 2 --batch 12 --norm group")]
+    fair, gspo = m[lab.shrink("--k 2 --batch 12 --norm group")], m[lab.shrink(GSPO)]
     crash = mean(r["crash_rate"] for r in k2_agg)
     floor = mean(r["crash_floor"] for r in k2_agg)      # a frozen policy at the same rates (monitor.py)
     off = sum(r["ended_off_format"] for r in k2_agg)
@@ -145,7 +151,8 @@ def group_norm(lab: Lab) -> dict:
                 claim="K=2, B=3 with group norm collapses right after 97% of updates; K=8 (B=2), Dr. GRPO, "
                       "global norm or clipping fix it",
                 measured=f"held-out best at the end, lr 1e-3: K=2/B=3 group {best(k2):.2f}, K=8/B=2 {best(k8b2):.2f}, "
-                         f"K=8/B=3 {best(k8b3):.2f}; fair budget K=2/B=12 {best(fair):.2f}. At lr 7e-3, K=2/B=3: crash rate {crash:.2f}, of which {floor:.2f} is the "
+                         f"K=8/B=3 {best(k8b3):.2f}; fair budget K=2/B=12 {best(fair):.2f}; GSPO K=2/B=3 "
+                         f"{best(gspo):.2f}. At lr 7e-3, K=2/B=3: crash rate {crash:.2f}, of which {floor:.2f} is the "
                          f"floor a frozen policy scores at the same on-format rates ({crash - floor:.2f} above "
                          f"it; at the warm start's p=0.57 and N=6 the floor is "
                          f"{monitor.false_collapse_rate(0.57, 6):.3f}), {off}/{len(k2_agg)} "
@@ -157,7 +164,56 @@ def group_norm(lab: Lab) -> dict:
                          if best(k8b2) > best(k2) else "not reproduced"))
 
 
-# ---- 3. Batch size and gradient variance (report 002) ----
+# ---- 3. DAPO's dynamic sampling (report 001 cites DAPO) ----
+
+def dynamic_sampling(lab: Lab) -> dict:
+    """Only groups whose rewards differ, at K=2/B=3 and K=8/B=3, vs group_norm's runs (DAPO).
+
+    The runs without it are group_norm's (the same flags, seeds and steps); with it,
+    --dynamic-sampling samples rounds of B=3 fresh prompts, at most 8 a step, until 3 groups
+    differ (dynamic_sampling.py). Samples per step: every sample generated, the dropped
+    groups' included."""
+    plain = ["--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group"]
+    with_it = [f"{s} --dynamic-sampling" for s in plain]
+    r = lab.sweep("dynamic_sampling", with_it, "--steps 150 --lr 1e-3",
+                  ("eval_best_rate", "samples_generated", "frac_zero_std_groups"))
+    base = json.loads((lab.root / "group_norm" / "summaries.json").read_text())
+    runs = {}                                  # K=2 without, with; K=8 without, with
+    for s, ds in zip(plain, with_it):
+        runs[lab.shrink(s)], runs[lab.shrink(ds)] = base[lab.shrink(s)], r[lab.shrink(ds)]
+    cfg = {name: json.loads((Path(rs[0]["out"]) / "config.json").read_text()) for name, rs in runs.items()}
+    # every sample generated, the dropped groups' included; without it B*K every step
+    samples = {name: mean(mean(x["samples_generated"] for x in metric_rows(run)[1:]) for run in rs)
+               if cfg[name].get("dynamic_sampling") else cfg[name]["k"] * cfg[name]["batch"] for name, rs in runs.items()}
+    zero = {name: mean(mean(x["frac_zero_std_groups"] for x in metric_rows(run)[1:]) for run in rs)
+            for name, rs in runs.items()}
+    lines = ["| setting | held-out best (end) | samples per step | zero-variance groups trained on | s per run |",
+             "|---|---|---|---|---|"]
+    for name, rs in runs.items():
+        lines.append(f"| `{name}` | {compare.spread([x['eval_best_rate_end'] for x in rs])} | "
+                     f"{samples[name]:.1f} | {zero[name]:.2f} | {mean(x['seconds'] for x in rs):.0f} |")
+    (lab.dir("dynamic_sampling") / "table.md").write_text("\n".join(lines) + "\n")
+    compare.figure(runs, lab.dir("dynamic_sampling") / "compare.png",
+                   f"dynamic sampling: {lab.seeds} seeds, lr 1e-3; "
+                   f"{plots.made_by(next(iter(cfg.values())))}")
+    k2, k2ds, k8, k8ds = (end(rs, "eval_best_rate_end") for rs in runs.values())
+    names = list(runs)
+    return dict(report="001 (DAPO)", figure="dynamic_sampling/compare.png",
+                claim="at K=2 most groups carry no signal; dropping them and sampling until B groups differ "
+                      "(DAPO's dynamic sampling) trains better",
+                measured=f"held-out best at the end: K=2/B=3 {k2:.2f}, with dynamic sampling {k2ds:.2f} "
+                         f"({samples[names[1]]:.1f} samples a step against {samples[names[0]]:.0f}); K=8/B=3 "
+                         f"{k8:.2f}, with it {k8ds:.2f} ({samples[names[3]]:.1f} against "
+                         f"{samples[names[2]]:.0f}); zero-variance groups trained on without it: K=2 "
+                         f"{zero[names[0]]:.2f}, K=8 {zero[names[2]]:.2f}; seconds per run "
+                         + ", ".join(f"{mean(x['seconds'] for x in rs):.0f}" for rs in runs.values()),
+                # rule (written before the run): reproduced if dynamic sampling raises K=2/B=3's
+                # mean held-out best by more than 0.05; "partly" if it raises K=8's instead
+                verdict="reproduced" if k2ds > k2 + 0.05 else "partly: it helps at K=8 only" if k8ds > k8 + 0.05
+                else "not reproduced")
+
+
+# ---- 4. Batch size and gradient variance (report 002) ----
 
 def gradient_variance(n_samples: int, repeats: int, micro: int) -> tuple[float, float]:
     """Per-parameter variance over `repeats` independent batches of the GRPO policy gradient at
@@ -215,7 +271,7 @@ def batch_size(lab: Lab) -> dict:
                 else "not reproduced")
 
 
-# ---- 4. Gradient clipping (report 002) ----
+# ---- 5. Gradient clipping (report 002) ----
 
 def grad_clip(lab: Lab) -> dict:
     """Gradient clipping none / 2 / 1 / 0.5 at a harmful lr: collapse rate (report 002)."""
@@ -234,7 +290,7 @@ def grad_clip(lab: Lab) -> dict:
                 else "not reproduced")
 
 
-# ---- 5. Fixed vs dynamic hyper-parameters (report 002) ----
+# ---- 6. Fixed vs dynamic hyper-parameters (report 002) ----
 
 def fixed_vs_dynamic(lab: Lab) -> dict:
     """Fixed lr and KL with a big batch vs dynamic lr or KL with a small one (002)."""
@@ -252,7 +308,7 @@ def fixed_vs_dynamic(lab: Lab) -> dict:
                 verdict="reproduced" if fixed > max(dyn_lr, dyn_kl) else "not reproduced")
 
 
-# ---- 6. Adaptive KL and over-training (report 003) ----
+# ---- 7. Adaptive KL and over-training (report 003) ----
 
 def kl_range(lab: Lab) -> dict:
     """Report 003's adaptive KL range 0.01/0.1 vs 0.05/0.2 vs a fixed beta; early stopping."""
@@ -279,7 +335,7 @@ def kl_range(lab: Lab) -> dict:
                 verdict="reproduced" if min_beta[s_low] <= 0.002 and low < wide else "not reproduced")
 
 
-# ---- 7. RCE, then GRPO; early stopping; every checkpoint against the baseline (report 003) ----
+# ---- 8. RCE, then GRPO; early stopping; every checkpoint against the baseline (report 003) ----
 
 def rce_grpo(lab: Lab) -> dict:
     """Warm start vs RCE-only vs RCE -> GRPO vs GRPO-only, each with and without early stopping (003).
@@ -363,7 +419,7 @@ def rce_grpo(lab: Lab) -> dict:
                 f"partly: {'; '.join(held)} (of the four claims)" if held else "not reproduced")
 
 
-# ---- 8. Sparse vs shaped reward for a tool agent (report 000) ----
+# ---- 9. Sparse vs shaped reward for a tool agent (report 000) ----
 
 def tools(lab: Lab) -> dict:
     """Sparse vs shaped reward for the tool agent (report 000)."""
@@ -389,7 +445,7 @@ def tools(lab: Lab) -> dict:
                 verdict=verdict)
 
 
-# ---- 9. Entropy (reports 000, 002) ----
+# ---- 10. Entropy (reports 000, 002) ----
 
 def entropy(lab: Lab) -> dict:
     """With and without an entropy bonus; a too-high lr without clipping and the NaN guard (000, 002)."""
@@ -418,7 +474,7 @@ def entropy(lab: Lab) -> dict:
                 "partly" if bonus > no_bonus else "not reproduced")
 
 
-# ---- 10. The stability monitor (report 002) ----
+# ---- 11. The stability monitor (report 002) ----
 
 def monitor_warning(lab: Lab) -> dict:
     """Report 002's monitor on collapsing runs: how many steps of warning (report 002).
@@ -456,11 +512,12 @@ def monitor_warning(lab: Lab) -> dict:
                 else "not reproduced")
 
 
-EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "batch_size": batch_size, "grad_clip": grad_clip,
+EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
+               "batch_size": batch_size, "grad_clip": grad_clip,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
                "entropy": entropy,
                "monitor": monitor_warning}
-NEEDS = {"monitor": ["group_norm"]}          # experiments whose runs another one reads
+NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"]}          # experiments whose runs another one reads
 
 
 def summary_md(results: dict) -> str:
