@@ -92,6 +92,11 @@ class Config:
     kl_in: str = opt("auto", "where the KL goes: loss (GRPO's habit), reward (PPO's); auto = by --algo",
                      choices=("auto", "loss", "reward"))
     # PPO's critic (ppo.py)
+    critic: str = opt("shared", "PPO: a value head on the policy's trunk (shared), or a network of its own "
+                      "initialised from the policy (separate, as report 000, verl, OpenRLHF)",
+                      choices=("shared", "separate"))
+    critic_lr: float = opt(0.0, "PPO: the critic's learning rate (value head, and with --critic separate its "
+                                "trunk); 0 = --lr; report 000 used 10x the actor's")
     vf_coef: float = opt(0.5, "PPO: weight of the value loss")
     value_clip: float = opt(0.2, "PPO: value-loss clip range around the old values; 0 = unclipped")
     gamma: float = opt(1.0, "PPO: discount per token")
@@ -271,6 +276,9 @@ def validate(cfg: Config) -> Config:
     need(cfg.kl_horizon > 0, "kl-horizon", f"must be > 0, got {cfg.kl_horizon}")
     need(0 < cfg.kl_target_min < cfg.kl_target_max, "kl-target-min",
          f"need 0 < --kl-target-min < --kl-target-max, got {cfg.kl_target_min} and {cfg.kl_target_max}")
+    need(cfg.critic_lr >= 0, "critic-lr", f"must be > 0 (or 0 = --lr), got {cfg.critic_lr}")
+    for flag, given in (("critic", cfg.critic != "shared"), ("critic-lr", cfg.critic_lr > 0)):
+        need(cfg.algo == "ppo" or not given, flag, f"PPO's critic; --algo {cfg.algo} has none")
     need(cfg.vf_coef >= 0, "vf-coef", f"must be >= 0, got {cfg.vf_coef}")
     need(cfg.value_clip >= 0, "value-clip", f"must be >= 0 (0 = off), got {cfg.value_clip}")
     need(0 <= cfg.gamma <= 1, "gamma", f"must be in [0, 1], got {cfg.gamma}")

@@ -234,17 +234,19 @@ def minibatches(batch, hp: HyperParams, gen: torch.Generator):
                         seqs, max(tokens, 1))
 
 
-def optimizer_step(optimizer, params: list, max_grad_norm: float, loss: float) -> tuple[float, list]:
-    """Clip the gradient norm and step, unless the loss or the norm is NaN/inf: then the step
-    is skipped, weights and optimizer state untouched. Returns (the norm before clipping,
-    the names of the non-finite quantities)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    nonfinite = [name for name, v in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(v)]
+def optimizer_step(optimizer, max_grad_norm: float, loss: float) -> tuple[float, list]:
+    """Clip the gradient norm of each parameter group (the policy's; PPO's critic's, at its
+    own lr, is clipped on its own: ppo.py) and step, unless the loss or a norm is NaN/inf:
+    then the step is skipped, weights and optimizer state untouched. Returns (the first
+    group's norm before clipping, the names of the non-finite quantities)."""
+    norms = [torch.nn.utils.clip_grad_norm_(g["params"], max_grad_norm).item() for g in optimizer.param_groups]
+    nonfinite = [name for name, v in (("loss", loss), ("grad_norm", norms[0])) if not math.isfinite(v)]
+    nonfinite += ["critic_grad_norm"] * any(not math.isfinite(v) for v in norms[1:])
     if nonfinite:
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    return grad_norm, nonfinite
+    return norms[0], nonfinite
 
 
 class UpdateStats:
@@ -311,7 +313,6 @@ def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
     skipped_nonfinite / nonfinite.
     """
     scorer.train()
-    params = list(scorer.parameters())
     gen = torch.Generator().manual_seed(hp.seed)
     stats = UpdateStats()
     for _ in range(hp.epochs):
@@ -334,7 +335,7 @@ def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
                     (loss * distributed.size()).backward()
                 stats.add(loss.item(), sums)
             loss = stats.whole_minibatch_loss()
-            stats.stepped(loss, mb.tokens, *optimizer_step(optimizer, params, hp.max_grad_norm, loss))
+            stats.stepped(loss, mb.tokens, *optimizer_step(optimizer, hp.max_grad_norm, loss))
         stats.end_epoch()
         if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
             break

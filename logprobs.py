@@ -129,17 +129,13 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
     run on LOGITS_CHUNK_ELEMENTS-sized groups of rows.
     """
     completion_ids = tokens.completion_ids                                  # (n, C)
-    ids = torch.cat([tokens.prompt_ids, completion_ids], dim=1)             # (n, P+C)
-    attn = torch.cat([tokens.prompt_mask, tokens.attention], dim=1)         # (n, P+C)
-    positions = (attn.cumsum(-1) - 1).clamp_min(0)                          # (n, P+C)
     c_len = completion_ids.shape[1]
-    h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=positions,
-                         use_cache=False).last_hidden_state[:, -(c_len + 1):]  # (n, C+1, H)
+    h = completion_hidden(model.base_model, tokens)                         # (n, C+1, H)
     # hidden state j predicts token j+1: the last C+1 positions predict the C completion
     # tokens (and one token past the end, dropped).
     step = rows_per_chunk(c_len, model.get_output_embeddings().weight.shape[0])
     logps, entropies = [], []
-    for i in range(0, len(ids), step):
+    for i in range(0, len(completion_ids), step):
         logits = head_logits(model, h[i:i + step, :-1]) / temperature       # (rows, C, V) float32
         logps.append(token_logprobs(logits, completion_ids[i:i + step]))    # (rows, C)
         if with_entropy:
@@ -151,15 +147,26 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
     return logp, entropy
 
 
+def completion_hidden(trunk, tokens: Tokens):
+    """The trunk's (a model's base_model: no LM head) last hidden states at the C + 1 last
+    positions, (n, C+1, H); position j predicts completion token j + 1. Positions are counted
+    from the first real token, as `generate` counts them, so left padding does not shift them."""
+    ids = torch.cat([tokens.prompt_ids, tokens.completion_ids], dim=1)      # (n, P+C)
+    attn = torch.cat([tokens.prompt_mask, tokens.attention], dim=1)         # (n, P+C)
+    positions = (attn.cumsum(-1) - 1).clamp_min(0)                          # (n, P+C)
+    return trunk(input_ids=ids, attention_mask=attn, position_ids=positions,
+                 use_cache=False).last_hidden_state[:, -(tokens.completion_ids.shape[1] + 1):]
+
+
 class Scorer(torch.nn.Module):
     """What an update differentiates, as one module: forward(tokens) gives the policy's
-    log-probs (n, C) and entropy (n, C) and, with a value head (PPO's, on the policy's last
-    hidden states: ppo.py), its values (n, C); else None.
+    log-probs (n, C) and entropy (n, C) and, with PPO's critic (ppo.py: a value head on the
+    policy's last hidden states, or a network of its own), its values (n, C); else None.
 
     One module because DistributedDataParallel (distributed.replicate) all-reduces the
     gradients only of a forward run through its own call, and completion_logprobs calls the
     model's parts (its trunk, its LM head), not model(...). In one process it is just the
-    call below; its parameters are the model's, then the value head's."""
+    call below; its parameters are the model's, then the critic's."""
 
     def __init__(self, model, value_head=None):
         super().__init__()
@@ -168,5 +175,5 @@ class Scorer(torch.nn.Module):
     def forward(self, tokens: Tokens, temperature: float, entropy_grad: bool):
         logp, entropy, h = completion_logprobs(self.model, tokens, temperature, with_entropy=True,
                                                entropy_grad=entropy_grad, return_hidden=True)
-        values = self.value_head(h) if self.value_head is not None else None      # (n, C)
+        values = self.value_head.values(tokens, h) if self.value_head is not None else None   # (n, C)
         return logp, entropy, values

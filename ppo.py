@@ -3,11 +3,20 @@
 Shapes as in grpo.py: n sequences, C completion tokens, H hidden size; mask (n, C) is 1 on
 the policy's own tokens (its sampled EOS included).
 
-The critic. A linear value head on the policy's last hidden state (a shared trunk, as TRL's
-AutoModelForCausalLMWithValueHead): one forward pass gives both log-probs and values, and
---vf-coef weighs the two losses. The price is that value-loss gradients reach the policy's
-weights; verl and OpenRLHF train a separate critic network instead, which costs a second
-model. For a 130k-parameter toy the shared trunk is the simpler lesson.
+The critic, two ways (--critic):
+- shared (ValueHead): a linear value head on the policy's last hidden state, as TRL's
+  AutoModelForCausalLMWithValueHead. One forward gives log-probs and values and no second
+  model is kept; the price is that value-loss gradients (weighted by --vf-coef) move the
+  policy's own weights, and one gradient clip covers both.
+- separate (Critic): a network of its own, as report 000's system, verl and OpenRLHF train:
+  a copy of the policy's trunk as RL starts (the warm start, or --init-from's weights) with
+  a fresh zero value head. Value-loss gradients never reach the policy. It costs a second
+  trunk in memory and a second forward per update, and it starts knowing what the policy
+  knows (verl initialises its critic from the actor's weights too; a random trunk would have
+  to learn the language first).
+Either way the critic's parameters are a second group of the one AdamW optimizer, at
+--critic-lr (report 000: 1e-5 against the actor's 1e-6, ten times), scheduled with the
+policy's lr and gradient-clipped on its own (grpo.optimizer_step).
 
 One PPO step, per token t of sequence i:
 
@@ -24,6 +33,8 @@ Without --value-clip the value loss is 1/2 (V - G)^2.
 
     python train.py --algo ppo
 """
+import copy
+
 import torch
 from torch import nn
 
@@ -31,6 +42,7 @@ import advantages
 import distributed
 import grpo
 import kl
+import logprobs
 from grpo import HyperParams
 
 
@@ -46,6 +58,24 @@ class ValueHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=h.device.type, enabled=False):     # float32 under bf16 autocast
             return self.linear(h.float()).squeeze(-1)                      # (n, C, H) -> (n, C)
+
+    def values(self, tokens, h: torch.Tensor) -> torch.Tensor:
+        """(n, C) values of the policy's hidden states h (n, C, H) predicting each token."""
+        return self(h)
+
+
+class Critic(nn.Module):
+    """A critic of its own: a copy of the policy's trunk (its base_model, no LM head) and a
+    fresh zero value head. Its values read the tokens, not the policy's hidden states."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.trunk = copy.deepcopy(policy.base_model).train(policy.training)
+        self.head = ValueHead(policy.config.hidden_size).to(next(policy.parameters()).device)
+
+    def values(self, tokens, h=None) -> torch.Tensor:
+        """(n, C): the value of the state before each completion token."""
+        return self.head(logprobs.completion_hidden(self.trunk, tokens)[:, :-1])      # (n, C)
 
 
 # ---- rewards, advantages and the value loss ----
@@ -107,10 +137,9 @@ def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
     """PPO's losses on one batch (after `prepare`): grpo.update's loop, with the critic's
     value loss added to the policy terms and the value head's parameters stepped too.
 
-    scorer: logprobs.Scorer(policy, value head), in DDP under torchrun. Returns the metrics of
+    scorer: logprobs.Scorer(policy, critic), in DDP under torchrun. Returns the metrics of
     grpo.update plus value_loss (token mean of the unweighted value loss)."""
     scorer.train()
-    params = list(scorer.parameters())                       # the policy's, then the value head's
     gen = torch.Generator().manual_seed(hp.seed)
     stats = grpo.UpdateStats()
     for _ in range(hp.epochs):
@@ -129,7 +158,7 @@ def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
                     (loss * distributed.size()).backward()         # as in grpo.update
                 stats.add(loss.item(), sums)
             loss = stats.whole_minibatch_loss()
-            stats.stepped(loss, mb.tokens, *grpo.optimizer_step(optimizer, params, hp.max_grad_norm, loss))
+            stats.stepped(loss, mb.tokens, *grpo.optimizer_step(optimizer, hp.max_grad_norm, loss))
         stats.end_epoch()
         if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
             break

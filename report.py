@@ -62,11 +62,13 @@ collapses / updates, crash_floor, skipped_nonfinite, alert_episodes, failed_save
 lost_log_lines), why it stopped (stopped: a failure; early_stopped: --early-stop-patience,
 a normal end), eval_<headline>_start and eval_<rate>_end, the evaluation with the highest
 held-out reward (best_step, eval_<rate>_best, and with early stopping its best_checkpoint,
-relative to the run's folder), and frac_adv_negative_mean over the run. compare.py and
-lab.py read these.
+relative to the run's folder), frac_adv_negative_mean over the run, and PPO's
+explained_variance_end (the median of the last 10 steps'). compare.py and lab.py read these.
 """
 import json
+import math
 import resource
+import statistics
 import sys
 from pathlib import Path
 
@@ -154,7 +156,8 @@ def progress(cfg, task, row: dict, last_eval: dict) -> None:
 SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
                 "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
                 "ended_off_format", "frac_adv_negative_mean", "early_stopped", "best_step", "best_checkpoint",
-                "eval_value_rmse_end", "eval_reward_mean_end", "seconds", "peak_memory_mb", "out")
+                "eval_value_rmse_end", "explained_variance_end", "eval_reward_mean_end", "seconds",
+                "peak_memory_mb", "out")
 
 
 def summary_keys(task) -> set:
@@ -183,10 +186,16 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
         summary[f"{key}_end"] = v
     for key, v in (state.best_eval or {}).items():  # ... and at the best evaluation (best_step)
         summary[f"{key}_best"] = v
-    negative = [r["frac_adv_negative"] for r in plots.read_metrics(out) if "frac_adv_negative" in r]
+    rows = plots.read_metrics(out)
+    negative = [r["frac_adv_negative"] for r in rows if "frac_adv_negative" in r]
+    # PPO: one step's explained variance swings wildly once the returns are nearly all equal
+    # (Var(G) -> 0), so the end's is the median over the last 10 steps that have one
+    ev = [r["explained_variance"] for r in rows
+          if r.get("explained_variance") is not None and math.isfinite(r["explained_variance"])][-10:]
     summary.update(ended_off_format=last[f"eval_{task.FORMAT_KEY}"] < 0.5,
                    frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,
                    eval_value_rmse_end=last.get("eval_value_rmse"),
+                   explained_variance_end=statistics.median(ev) if ev else None,
                    seconds=round(state.seconds, 1), peak_memory_mb=round(peak_memory_mb()), out=str(out))
     summary, _ = checkpoint.finite_json(summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))

@@ -32,7 +32,7 @@ from logprobs import Tokens, completion_logprobs
 @dataclass
 class Models:
     """The networks a rollout uses: the policy and its tokenizer; the frozen reference (with
-    a KL term) and the critic's value head (PPO), or None."""
+    a KL term) and PPO's critic (ppo.ValueHead on the policy's trunk, or ppo.Critic), or None."""
     model: nn.Module
     tok: object
     ref: nn.Module | None = None
@@ -195,7 +195,8 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
         return torch.cat([p[0] for p in parts]), (torch.cat([p[2] for p in parts]) if hidden else None)
     if record_old_logp or models.value_head is not None:
         batch.old_logp, h = forward(models.model, hidden=models.value_head is not None)   # (N, C)
-        batch.old_values = models.value_head(h) if models.value_head is not None else None  # (N, C)
+        batch.old_values = models.value_head.values(batch.tokens(), h) \
+            if models.value_head is not None else None                                       # (N, C)
     batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None          # (N, C)
     return batch
 

@@ -241,6 +241,18 @@ class Run:
     started: float                   # time.time() at the start of this session
 
 
+def param_groups(cfg: Config, model, critic) -> list:
+    """The optimizer's parameter groups: the policy's; PPO's critic (a value head, or with
+    --critic separate a network) in a group of its own at --critic-lr, clipped on its own
+    (grpo.optimizer_step). A shared value head at --lr stays in the policy's group, one clip
+    over both, as before --critic-lr existed."""
+    if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
+        return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
+    scale = (cfg.critic_lr or cfg.lr) / cfg.lr
+    return [{"params": list(model.parameters())},
+            {"params": list(critic.parameters()), "lr": cfg.lr * scale, "lr_scale": scale}]
+
+
 def start(cfg: Config, out: Path) -> Run:
     """Load the policy, build the optimizer and controllers, resume if asked, open the logs
     and evaluate at step 0."""
@@ -259,13 +271,14 @@ def start(cfg: Config, out: Path) -> Run:
     task = TASKS[cfg.task]
     with distributed.main_first():                   # rank 0 fills the model and warm-start caches
         model, tok = load(cfg, task, device, log)
-    value_head = ppo.ValueHead(model.config.hidden_size).to(device) if cfg.algo == "ppo" else None
+    value_head = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
+        ppo.ValueHead(model.config.hidden_size).to(device)                # PPO's critic (ppo.py)
     scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
     # The reference is the policy RL starts from, also when resuming: load() always returns it
     # (the warm start; with --init-from, the first stage's weights: the KL then anchors GRPO
     # to the policy it was handed, as TRL and verl take the initial policy as the reference).
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
-    optimizer = torch.optim.AdamW(scorer.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(param_groups(cfg, model, value_head), lr=cfg.lr, weight_decay=0.0)
     # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
@@ -324,8 +337,8 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
     shuffle's seed."""
     cfg = run.cfg
     lr = schedules.lr_at(step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.min_lr, cfg.warmup_steps)
-    for group in run.learner.optimizer.param_groups:
-        group["lr"] = lr
+    for group in run.learner.optimizer.param_groups:        # the critic's at --critic-lr / --lr of it
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     end = cfg.entropy_coef if cfg.entropy_coef_end < 0 else cfg.entropy_coef_end
     return dataclasses.replace(run.hp, beta=run.kl_control.beta, seed=cfg.seed * 100003 + step,
                                entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end),

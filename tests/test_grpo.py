@@ -111,7 +111,7 @@ def test_grad_norm_is_the_mean_over_mini_batches_and_steps_taken_counts_applied_
             loss.backward()
             stats.add(loss.item(), {"approx_kl": 0.0})
             loss = stats.whole_minibatch_loss()
-            stats.stepped(loss, 3, *grpo.optimizer_step(opt, [w], math.inf, loss))
+            stats.stepped(loss, 3, *grpo.optimizer_step(opt, math.inf, loss))
             norms.append(2 * scales[idx].sum().item())
         result = stats.result()
         assert result["steps_taken"] == steps and result["skipped_nonfinite"] == 4 - steps
