@@ -12,6 +12,7 @@ a rule stated in the code below (never tuned to agree). results/SUMMARY.md colle
 """
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -35,6 +36,11 @@ import tasks
 import workflow_task
 
 SEEDS, QUICK_SEEDS = 6, 2
+# Most experiments evaluate every 20 steps (10 until 2026-11-23), for the lab's 40 minutes:
+# an evaluation has its own seed and leaves the training RNG alone (evaluate.sample_seeded),
+# so a run's trajectory and its end's numbers do not depend on how often it is evaluated;
+# kl_range and rce_grpo read every evaluation (the best one, early stopping) and keep 10, as
+# does group_norm_aggressive_lr (60 steps).
 
 
 # A real pretrained model (--model) runs each experiment with its learning rates scaled by
@@ -135,7 +141,8 @@ def group_norm(lab: Lab) -> dict:
     moderate = ["--k 8 --batch 8 --norm global", "--k 8 --batch 2 --norm group", "--k 2 --batch 3 --norm group",
                 "--k 8 --batch 3 --norm group", "--k 2 --batch 3 --norm drgrpo --adv-clip 2", "--k 2 --batch 3 --norm global --adv-clip 3",
                 "--k 2 --batch 12 --norm group", GSPO]
-    m = lab.sweep("group_norm", moderate, "--steps 100 --lr 1e-3", ("eval_best_rate", "eval_valid_rate"))
+    m = lab.sweep("group_norm", moderate, "--steps 100 --lr 1e-3 --eval-every 20",
+                  ("eval_best_rate", "eval_valid_rate"))
     a = lab.sweep("group_norm_aggressive_lr", ["--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group",
                                                "--k 8 --batch 2 --norm group", "--k 8 --batch 8 --norm global"],
                   "--steps 60 --lr 7e-3", ("eval_best_rate", "eval_valid_rate"))
@@ -175,7 +182,7 @@ def dynamic_sampling(lab: Lab) -> dict:
     groups' included."""
     plain = ["--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group"]
     with_it = [f"{s} --dynamic-sampling" for s in plain]
-    r = lab.sweep("dynamic_sampling", with_it, "--steps 100 --lr 1e-3",
+    r = lab.sweep("dynamic_sampling", with_it, "--steps 100 --lr 1e-3 --eval-every 20",
                   ("eval_best_rate", "samples_generated", "frac_zero_std_groups"))
     base = json.loads((lab.root / "group_norm" / "summaries.json").read_text())
     runs = {}                                  # K=2 without, with; K=8 without, with
@@ -216,14 +223,25 @@ def dynamic_sampling(lab: Lab) -> dict:
 # ---- 4. PPO's critic: shared head or a network of its own (report 000) ----
 
 def critic(lab: Lab) -> dict:
-    """PPO with a value head on the policy's trunk vs a critic of its own, at 1x and 10x lr (000)."""
+    """PPO with a value head on the policy's trunk vs a critic of its own, at 1x and 10x lr (000).
+
+    B=4 and 100 steps (PPO's defaults are B=8, 150: results/ppo_critic_sweep), for the lab's
+    40 minutes."""
     settings = {"shared": "--critic shared", "separate": "--critic separate",
                 "separate, critic lr 10x": "--critic separate --critic-lr 1e-2"}
-    r = lab.sweep("critic", list(settings.values()), "--algo ppo --steps 100 --lr 1e-3",
+    r = lab.sweep("critic", list(settings.values()), "--algo ppo --batch 4 --steps 100 --lr 1e-3 --eval-every 20",
                   ("eval_best_rate", "explained_variance", "value_loss"), ("explained_variance_end",))
     runs = {label: r[lab.shrink(flags)] for label, flags in settings.items()}
     best = {label: [x["eval_best_rate_end"] for x in rs] for label, rs in runs.items()}
     ev = {label: [x["explained_variance_end"] for x in rs] for label, rs in runs.items()}
+    # while the policy learns (the first half of the run) the returns still vary; at the end,
+    # with nearly every reward equal, Var(G) -> 0 and explained variance means little
+    def learning_ev(run):
+        rows = metric_rows(run)[1:]
+        xs = [x["explained_variance"] for x in rows[:len(rows) // 2]
+              if x.get("explained_variance") is not None and math.isfinite(x["explained_variance"])]
+        return statistics.median(xs) if xs else None
+    early = {label: [learning_ev(x) for x in rs] for label, rs in runs.items()}
     fmt = lambda xs: "[" + ", ".join("n/a" if x is None else f"{x:.2f}" for x in xs) + "]"
     sep = best["separate, critic lr 10x"]
     return dict(report="000", figure="critic/compare.png",
@@ -231,7 +249,9 @@ def critic(lab: Lab) -> dict:
                       "OpenRLHF do; a value head on the policy's trunk lets value-loss gradients move the policy",
                 measured="held-out best at the end per seed: " + "; ".join(
                     f"{label} {fmt(xs)} (mean {mean(xs):.2f})" for label, xs in best.items())
-                    + "; explained variance at the end (median of the last 10 steps) per seed: " + "; ".join(
+                    + "; explained variance per seed, median over the first half of the run: " + "; ".join(
+                    f"{label} {fmt(xs)}" for label, xs in early.items())
+                    + "; at the end (median of the last 10 steps): " + "; ".join(
                     f"{label} {fmt(xs)}" for label, xs in ev.items()),
                 # rule: reproduced if the separate critic at 10x lr ends >= 0.9 in every seed and its
                 # worst seed beats the shared head's worst; partly if it only matches the shared head
@@ -275,7 +295,7 @@ def batch_size(lab: Lab) -> dict:
     repeats = 3 if lab.quick else 8
     var_small, gap = gradient_variance(64, repeats, 16)
     var_big, gap_big = gradient_variance(512, repeats, 64)
-    r = lab.sweep("batch_size", ["--batch 2", "--batch 16"], "--k 8 --steps 100 --lr 1e-3",
+    r = lab.sweep("batch_size", ["--batch 2", "--batch 16"], "--k 8 --steps 100 --lr 1e-3 --eval-every 20",
                   ("reward_mean", "eval_best_rate"))
     swing = {s: mean(mean(abs(b["reward_mean"] - a["reward_mean"]) for a, b in zip(rows[1:], rows[2:]))
                      for rows in map(metric_rows, runs)) for s, runs in r.items()}
@@ -303,7 +323,7 @@ def batch_size(lab: Lab) -> dict:
 def grad_clip(lab: Lab) -> dict:
     """Gradient clipping none / 2 / 1 / 0.5 at a harmful lr: collapse rate (report 002)."""
     settings = ["--max-grad-norm 0", "--max-grad-norm 2", "--max-grad-norm 1", "--max-grad-norm 0.5"]
-    r = lab.sweep("grad_clip", settings, "--k 2 --batch 3 --norm group --lr 7e-3 --steps 60",
+    r = lab.sweep("grad_clip", settings, "--k 2 --batch 3 --norm group --lr 7e-3 --steps 60 --eval-every 20",
                   ("eval_valid_rate", "grad_norm"))
     collapsed = {s.split()[-1]: sum(x["ended_off_format"] for x in runs) / len(runs) for s, runs in r.items()}
     rates = list(collapsed.values())
@@ -323,7 +343,8 @@ def fixed_vs_dynamic(lab: Lab) -> dict:
     """Fixed lr and KL with a big batch vs dynamic lr or KL with a small one (002)."""
     settings = ["--batch 16 --beta 0.05", "--batch 4 --beta 0.05 --lr-schedule cosine --warmup-steps 10",
                 "--batch 4 --beta 0.05 --kl-control ratio"]
-    r = lab.sweep("fixed_vs_dynamic", settings, "--k 8 --steps 100 --lr 1e-3", ("eval_best_rate", "kl_coef", "lr"))
+    r = lab.sweep("fixed_vs_dynamic", settings, "--k 8 --steps 100 --lr 1e-3 --eval-every 20",
+                  ("eval_best_rate", "kl_coef", "lr"))
     best = {s: end(runs, "eval_best_rate_end") for s, runs in r.items()}
     fixed, dyn_lr, dyn_kl = best.values()
     return dict(report="002", figure="fixed_vs_dynamic/compare.png",
@@ -450,7 +471,8 @@ def rce_grpo(lab: Lab) -> dict:
 
 def tools(lab: Lab) -> dict:
     """Sparse vs shaped reward for the tool agent (report 000)."""
-    r = lab.sweep("tools", ["--reward sparse", "--reward shaped"], "--task tools --steps 150",
+    # 100 steps, evaluations every 20 (150 and 10 until 2026-11-23): for the lab's 40 minutes
+    r = lab.sweep("tools", ["--reward sparse", "--reward shaped"], "--task tools --steps 100 --eval-every 20",
                   ("eval_accuracy", "eval_tool_calls", "eval_tool_success_rate", "frac_adv_negative"))
     sparse, shaped = r.values()
     # rule: tool use dies out under sparse (fewer than half the shaped runs' calls, success
@@ -477,12 +499,12 @@ def tools(lab: Lab) -> dict:
 def entropy(lab: Lab) -> dict:
     """With and without an entropy bonus; a too-high lr without clipping and the NaN guard (000, 002)."""
     r = lab.sweep("entropy", ["--entropy-coef 0", "--entropy-coef 0.01 --entropy-coef-end 0.001"],
-                  "--k 8 --steps 150 --lr 1e-3", ("entropy", "eval_best_rate"))
+                  "--k 8 --steps 150 --lr 1e-3 --eval-every 20", ("entropy", "eval_best_rate"))
     h = {s: mean(mean(x["entropy"] for x in metric_rows(run)[-10:] if x.get("entropy") is not None)
                  for run in runs) for s, runs in r.items()}
     # lr 10 with a KL term (so every step updates): the weights blow up within a step or two.
     blow = lab.sweep("entropy_nonfinite", ["--max-grad-norm 0", "--max-grad-norm 1"],
-                     "--k 8 --steps 40 --lr 10 --beta 0.1 --max-skips 5", ("grad_norm", "entropy"))
+                     "--k 8 --steps 40 --lr 10 --beta 0.1 --max-skips 5 --eval-every 20", ("grad_norm", "entropy"))
     (no_clip, clip) = blow.values()
     skipped = [x["skipped_nonfinite"] for x in no_clip]
     skipped_clip = [x["skipped_nonfinite"] for x in clip]

@@ -17,7 +17,7 @@ def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path):
             assert (tmp_path / r["figure"]).is_file(), r["figure"]
     assert summary["k2_pm1"]["verdict"] == "reproduced"          # arithmetic, not noise
     runs = list((tmp_path / "group_norm" / "runs").glob("*/s1/metrics.jsonl"))
-    assert len(runs) == 13
+    assert len(runs) == 8          # the moderate-lr settings, one seed-1 run each
 
 
 def test_bench_measures_a_step_of_ours(tmp_path):
@@ -67,3 +67,22 @@ def test_pooled_runs_reuse_their_workers_and_match_a_run_in_this_process(tmp_pat
     lines = lambda run: [{k: v for k, v in json.loads(x).items() if k != "seconds"}
                          for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert lines("pooled") == lines("here")
+
+
+def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
+    """The lab evaluates most experiments every 20 steps instead of 10: an evaluation draws
+    with its own seed and leaves the training RNG alone (evaluate.sample_seeded), so every
+    training metric, and the last evaluation, are the same."""
+    import config
+    import train
+    from conftest import quick
+    runs = {}
+    for every in ("1", "4"):
+        summary = train.train(config.parse_config(quick(tmp_path, f"e{every}", "--steps", "4", "--eval-every", every,
+                                                          "--entropy-coef", "0.01")))   # every step updates
+        rows = [json.loads(x) for x in (tmp_path / f"e{every}" / "metrics.jsonl").read_text().splitlines()]
+        runs[every] = ([{k: v for k, v in r.items() if not k.startswith(("eval_", "train_answer")) and k != "seconds"}
+                        for r in rows], summary["eval_best_rate_end"], sum(r.get("eval_best_rate") is not None for r in rows))
+    assert runs["1"][0] == runs["4"][0] and runs["1"][1] == runs["4"][1]
+    assert all(r["updated"] for r in runs["1"][0][1:]), "the runs trained"
+    assert (runs["1"][2], runs["4"][2]) == (5, 2), "evaluated at steps 0-4, and at steps 0 and 4"
