@@ -139,7 +139,8 @@ def group_norm(lab: Lab) -> dict:
     # K=8/B=3 with Dr. GRPO, global, batch, RLOO and REINFORCE++-baseline norms, and K=2/B=3
     # run 4x longer are in the tables of git history (the ordering at step 100 was that at 150).
     moderate = ["--k 8 --batch 8 --norm global", "--k 8 --batch 2 --norm group", "--k 2 --batch 3 --norm group",
-                "--k 8 --batch 3 --norm group", "--k 2 --batch 3 --norm drgrpo --adv-clip 2", "--k 2 --batch 3 --norm global --adv-clip 3",
+                "--k 8 --batch 3 --norm group", "--k 2 --batch 3 --norm drgrpo --adv-clip 2",
+                "--k 2 --batch 3 --norm global --adv-clip 3",
                 "--k 2 --batch 12 --norm group", GSPO]
     m = lab.sweep("group_norm", moderate, "--steps 100 --lr 1e-3 --eval-every 20",
                   ("eval_best_rate", "eval_valid_rate"))
@@ -191,7 +192,8 @@ def dynamic_sampling(lab: Lab) -> dict:
     cfg = {name: json.loads((Path(rs[0]["out"]) / "config.json").read_text()) for name, rs in runs.items()}
     # every sample generated, the dropped groups' included; without it B*K every step
     samples = {name: mean(mean(x["samples_generated"] for x in metric_rows(run)[1:]) for run in rs)
-               if cfg[name].get("dynamic_sampling") else cfg[name]["k"] * cfg[name]["batch"] for name, rs in runs.items()}
+               if cfg[name].get("dynamic_sampling") else cfg[name]["k"] * cfg[name]["batch"]
+               for name, rs in runs.items()}
     zero = {name: mean(mean(x["frac_zero_std_groups"] for x in metric_rows(run)[1:]) for run in rs)
             for name, rs in runs.items()}
     lines = ["| setting | held-out best (end) | samples per step | zero-variance groups trained on | s per run |",

@@ -283,8 +283,8 @@ def start(cfg: Config, out: Path) -> Run:
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer,
-                      config.sampling(cfg), autocast, scorer, cfg.max_sampling_rounds if cfg.dynamic_sampling else 0)
+    learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, config.sampling(cfg),
+                      autocast, scorer, dynamic_rounds=cfg.max_sampling_rounds if cfg.dynamic_sampling else 0)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
     stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,

@@ -81,8 +81,9 @@ def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
         summary = train.train(config.parse_config(quick(tmp_path, f"e{every}", "--steps", "4", "--eval-every", every,
                                                           "--entropy-coef", "0.01")))   # every step updates
         rows = [json.loads(x) for x in (tmp_path / f"e{every}" / "metrics.jsonl").read_text().splitlines()]
-        runs[every] = ([{k: v for k, v in r.items() if not k.startswith(("eval_", "train_answer")) and k != "seconds"}
-                        for r in rows], summary["eval_best_rate_end"], sum(r.get("eval_best_rate") is not None for r in rows))
+        training = [{k: v for k, v in r.items() if not k.startswith(("eval_", "train_answer")) and k != "seconds"}
+                    for r in rows]
+        runs[every] = (training, summary["eval_best_rate_end"], sum(r.get("eval_best_rate") is not None for r in rows))
     assert runs["1"][0] == runs["4"][0] and runs["1"][1] == runs["4"][1]
     assert all(r["updated"] for r in runs["1"][0][1:]), "the runs trained"
     assert (runs["1"][2], runs["4"][2]) == (5, 2), "evaluated at steps 0-4, and at steps 0 and 4"
