@@ -12,8 +12,8 @@ The critic, two ways (--critic):
   a copy of the policy's trunk as RL starts (the warm start, or --init-from's weights) with
   a fresh zero value head. Value-loss gradients never reach the policy. It costs a second
   trunk in memory and a second forward per update, and it starts knowing what the policy
-  knows (verl initialises its critic from the actor's weights too; a random trunk would have
-  to learn the language first).
+  knows (a random trunk would have to learn the language first; a critic is commonly loaded
+  from a fine-tuned checkpoint, not from scratch).
 Either way the critic's parameters are a second group of the one AdamW optimizer, at
 --critic-lr (report 000: 1e-5 against the actor's 1e-6, ten times), scheduled with the
 policy's lr and gradient-clipped on its own (grpo.optimizer_step).
