@@ -13,7 +13,8 @@ differ (verl: algorithm.filter_groups; TRL only logs frac_reward_zero_std):
 
 R is the cap (--max-sampling-rounds). At the cap the step trains on the groups it kept,
 fewer than B (verl stops the run with an error there; here the run goes on and logs
-`groups_kept`); with none kept there is nothing to learn and no update. Everything after the
+`groups_kept`); with none kept it trains on the last round as sampled, which under a group
+baseline means no update (every advantage is 0). Everything after the
 filter (the advantages, their global or batch statistics, the loss's token counts) is
 computed over the kept groups only. A group holding a non-finite reward is kept, so that
 train.rl_step's guard sees it, counts it and skips the update.
@@ -63,9 +64,11 @@ def merge(parts: list) -> rollout.Rollout:
 def select(batch: rollout.Rollout, groups: torch.Tensor, k: int) -> rollout.Rollout:
     """The rows of the groups `groups` (indices of groups of K), in that order."""
     rows = (groups.unsqueeze(1) * k + torch.arange(k)).flatten()             # (len(groups) * K,)
-    fields = {name: None if getattr(batch, name) is None else getattr(batch, name)[rows.to(
-        getattr(batch, name).device)] for name in PROMPT_FIELDS + COMPLETION_FIELDS}
-    return rollout.Rollout(**fields, texts=[batch.texts[i] for i in rows.tolist()], rewards=batch.rewards[rows])
+
+    def take(t):
+        return None if t is None else t[rows.to(t.device)]
+    fields = {name: take(getattr(batch, name)) for name in PROMPT_FIELDS + COMPLETION_FIELDS}
+    return rollout.Rollout(**fields, texts=[batch.texts[i] for i in rows.tolist()], rewards=take(batch.rewards))
 
 
 def sample(sample_round, draw, prompts: list, k: int, max_rounds: int):
