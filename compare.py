@@ -316,7 +316,8 @@ def evaluate_checkpoints(runs: list, samples: int, kept_only: bool = False, log=
     cfg = dataclasses.replace(run_config(runs[0]), init_from="", device="cpu")
     task = tasks.TASKS[cfg.task]
     model, tok = train.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
-    models, sampling, prompts = rollout.Models(model, tok), config.sampling(cfg), task.prompts("eval")
+    models, sampling, prompts = rollout.Models(model, tok), config.sampling(cfg), \
+        task.prompts("eval", cfg.difficulty)
     out = {"baseline": evaluate.by_group(models, task, prompts, sampling, samples, CHECKPOINT_SEED), "runs": {}}
     for run in runs:
         ckpts = [checkpoint.starting_point(run)] if kept_only else sorted(checkpoint.candidates(run))

@@ -43,7 +43,13 @@ class Config:
                       choices=("sparse", "shaped", "format", "composite"))
     reward_clip: float = opt(0.0, "tools task: clamp the shaped reward to [-c, c]; 0 = off")
     drop_process_reward: bool = opt(False, "tools task: leave the tool's process reward out (report 000's bug)")
-    max_turns: int = opt(3, "tools task: policy turns per episode (--max-new-tokens each)")
+    max_turns: int = opt(3, "tools task: policy turns per episode (--max-new-tokens each), one more per "
+                         "benchmark beyond the first (--difficulty)")
+    difficulty: int = opt(1, "tools task: benchmarks each episode asks about (1 to 3); the answer must report "
+                          "every one's setting and value (report 000's long ground truth)")
+    curriculum: bool = opt(False, "tools task: train from difficulty 1 up to --difficulty in equal phases "
+                           "(report 000's short-to-long curriculum: schedules.difficulty_at); evaluation "
+                           "stays at --difficulty")
     algo: str = opt("grpo", "the algorithm: GRPO (no critic), PPO (value head + GAE) or RCE (report 003's "
                     "reward-weighted cross-entropy: rce.py)", choices=("grpo", "ppo", "rce"))
     rce_temp_start: float = opt(1.7, "RCE: softmax temperature tau of the reward weights at the first step")
@@ -144,6 +150,8 @@ class Config:
     sft_steps: int = opt(-1, "supervised warm-up steps; -1 = the default (policy.WARM_START: 300 tiny, 30 real)")
     sft_lr: float = opt(0.0, "warm-up learning rate; 0 = the default (3e-3 tiny, 1e-4 real)")
     sft_seed: int = opt(0, "warm-up seed (one warm start shared by all RL seeds)")
+    sft_difficulty: int = opt(0, "tools task: the warm start shows episodes of 1 up to this many benchmarks "
+                              "(half of them one); 0 = --difficulty")
     cache_dir: str = opt(".cache/warmstart", "where warm-started weights are cached")
     init_from: str = opt("", "start from another run's weights (its best checkpoint if it kept one, else its "
                          "newest), not the warm start; that start is also the KL's reference")
@@ -179,7 +187,7 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, ratio_level=cfg.ratio_level,
         beta=cfg.beta,
         kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
-        max_len=new_tokens(cfg) * (cfg.max_turns if cfg.task == "tools" else 1),
+        max_len=new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1),
         temperature=cfg.temperature, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip,
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
         fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
@@ -286,6 +294,16 @@ def validate(cfg: Config) -> Config:
     need(cfg.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {cfg.max_grad_norm}")
     need(cfg.temperature > 0, "temperature", f"must be > 0, got {cfg.temperature}")
     need(cfg.max_turns >= 1, "max-turns", f"must be >= 1, got {cfg.max_turns}")
+    top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
+    need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
+         f"{cfg.difficulty}" if top > 1 else f"--task {cfg.task} has one difficulty (1), got {cfg.difficulty}")
+    need(not cfg.curriculum or cfg.difficulty >= 2, "curriculum", f"moves from difficulty 1 up to --difficulty; "
+         f"give --difficulty 2 or more (it is {cfg.difficulty})")
+    need(not cfg.curriculum or cfg.steps >= cfg.difficulty, "curriculum", f"needs a step per difficulty at "
+         f"least: --steps {cfg.steps} < --difficulty {cfg.difficulty}")
+    need(0 <= cfg.sft_difficulty <= top, "sft-difficulty", f"must be in [1, {top}] for --task {cfg.task} (or 0 = "
+         f"--difficulty), got {cfg.sft_difficulty}")
+    cfg.sft_difficulty = cfg.sft_difficulty or cfg.difficulty
     need(cfg.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {cfg.reward_clip}")
     need(cfg.max_new_tokens >= 0, "max-new-tokens", f"must be >= 1 (or 0 = the default), got {cfg.max_new_tokens}")
     need(cfg.eval_every >= 1, "eval-every", f"must be >= 1, got {cfg.eval_every}")
@@ -414,6 +432,8 @@ def model_folder_problem(path: Path) -> str | None:
 
 def default_out(cfg: Config) -> str:
     task = f"tools_{cfg.reward}_" if cfg.task == "tools" else ""
+    if cfg.difficulty > 1:
+        task += f"d{cfg.difficulty}_" + ("curriculum_" if cfg.curriculum else "")
     if cfg.algo in ("ppo", "rce"):
         return f"runs/{task}{cfg.algo}_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
     return f"runs/{task}k{cfg.k}_b{cfg.batch}_{cfg.norm}_lr{cfg.lr:g}_s{cfg.seed}"

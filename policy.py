@@ -63,9 +63,9 @@ def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape
 
 # ---- supervised warm-start ----
 
-def sft_batch(task, tok, batch: int, rng: random.Random):
-    """`batch` fresh examples of the task's warm-start mix as sft_rows."""
-    return sft_rows(task, tok, task.warmstart_batch(rng, batch))
+def sft_batch(task, tok, warm: "WarmStart", rng: random.Random):
+    """warm.batch fresh examples of the task's warm-start mix (up to warm.difficulty) as sft_rows."""
+    return sft_rows(task, tok, task.warmstart_batch(rng, warm.batch, warm.difficulty))
 
 
 def sft_rows(task, tok, examples: list):
@@ -98,6 +98,7 @@ class WarmStart:
     lr: float = 3e-3
     batch: int = 64                  # examples per step
     seed: int = 0                    # the examples' draws and the tiny model's initial weights
+    difficulty: int = 1              # demonstrations of 1 .. this many benchmarks (--sft-difficulty)
 
 
 # The defaults, for the tiny model and for a real one. The tiny model starts from random
@@ -115,7 +116,7 @@ def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
     losses = []
     model.train()
     for _ in range(warm.steps):
-        ids, mask, lab = (t.to(device) for t in sft_batch(task, tok, warm.batch, rng))
+        ids, mask, lab = (t.to(device) for t in sft_batch(task, tok, warm, rng))
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad()
         loss.backward()
@@ -124,8 +125,8 @@ def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
     return losses
 
 
-def cache_key(settings: dict, task) -> str:
-    blob = json.dumps({**settings, **task.fingerprint()}, sort_keys=True)
+def cache_key(settings: dict, task, difficulty: int = 1) -> str:
+    blob = json.dumps({**settings, **task.fingerprint(difficulty)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -174,7 +175,7 @@ def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path
         return model, tok
     settings = dict(hidden=hidden, layers=layers, sft_steps=warm.steps, sft_lr=warm.lr,
                     sft_batch=warm.batch, seed=warm.seed)
-    model, _ = cached(Path(cache_dir) / cache_key(settings, task), build, log)
+    model, _ = cached(Path(cache_dir) / cache_key(settings, task, warm.difficulty), build, log)
     # the tokenizer built in code, not its saved copy: the same vocabulary, and no file format between
     return model, build_tokenizer(task.vocabulary())
 
@@ -206,7 +207,7 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
         identity = {"model": str(Path(folder).resolve()), "config": (Path(folder) / "config.json").read_text(),
                     "files": sorted((f.name, f.stat().st_size) for f in Path(folder).iterdir())}
         settings = dict(identity, sft_steps=warm.steps, sft_lr=warm.lr, sft_batch=warm.batch, seed=warm.seed)
-        model, tok = cached(Path(cache_dir) / cache_key(settings, task), build, log)
+        model, tok = cached(Path(cache_dir) / cache_key(settings, task, warm.difficulty), build, log)
         model = model.to(device)
     else:
         model, tok = load()

@@ -1,4 +1,4 @@
-"""How a hyper-parameter changes over a run: learning rate and entropy-bonus schedules.
+"""How a setting changes over a run: learning rate, entropy bonus, and the task's difficulty.
 
 Pure functions of the step, so a resumed run needs no scheduler state: step s of a resumed
 run gets exactly the value step s of an uninterrupted run got.
@@ -12,6 +12,15 @@ run gets exactly the value step s of an uninterrupted run got.
 Report 000 recommends a linear or cosine decay; report 002 compares fixed and dynamic lr.
 The entropy bonus (report 000: beta_H in [0.001, 0.01], decayed) moves linearly from
 --entropy-coef to --entropy-coef-end over the run.
+
+Report 000's curriculum ("start from short examples, then add longer, more complex
+prompts"), --curriculum with --difficulty D: the run in D equal phases, phase d training on
+tasks of difficulty d (the tool task: d benchmarks to look up and report),
+
+    d(s) = 1 + floor((s - 1) * D / total)          s = 1 .. total
+
+so 100 steps at D = 3 are steps 1-34 at 1, 35-67 at 2, 68-100 at 3. Without --curriculum
+every step trains at D. Held-out evaluation is always at D, the task the run is for.
 """
 import math
 
@@ -37,3 +46,9 @@ def linear(step: int, total: int, start: float, end: float) -> float:
     """start at step 1, end at step `total`, a straight line in between."""
     p = (step - 1) / max(total - 1, 1)
     return start + (end - start) * p
+
+
+def difficulty_at(step: int, total: int, final: int, curriculum: bool) -> int:
+    """The task difficulty of step `step` (1-based) of `total`: `final`, or with a curriculum
+    1 + floor((step - 1) * final / total), equal phases from 1 up to `final`."""
+    return 1 + (step - 1) * final // total if curriculum else final

@@ -31,14 +31,16 @@ class Task(Protocol):
     NAME: str                        # --task
     SYSTEM_PROMPT: str               # for a chat template (a real model, --model)
     MAX_POSITIONS: int               # the tiny model's context
+    MAX_DIFFICULTY: int              # --difficulty's largest value (1: a task with one difficulty)
     HEADLINE: tuple                  # the two rates the progress line and summary show
     FORMAT_KEY: str                  # the on-format rate: a collapse halves it
     GROUP_KEY: str                   # the prompt field results are broken down by (evaluate.by_group)
     RATES: tuple                     # every key of rates()
     ENDS_WITH_EOS: bool              # a completion ends with the EOS token (warm start adds it)
 
-    def prompts(self, split: str) -> list[dict]:
-        """'train' or 'eval' prompts: dicts with at least 'text'."""
+    def prompts(self, split: str, difficulty: int = 1) -> list[dict]:
+        """'train' or 'eval' prompts of a difficulty (--difficulty, --curriculum): dicts with
+        at least 'text'."""
 
     def sample(self, models, prompts: list, k: int, sampling: Sampling, record_old_logp: bool = True):
         """K rollouts per prompt, scored: (rollout.Rollout with rewards (N,), outcomes)."""
@@ -49,8 +51,9 @@ class Task(Protocol):
     def describe(self, text: str, outcome) -> dict:
         """One rollout for samples.jsonl."""
 
-    def warmstart_batch(self, rng, n: int) -> list[list[tuple[str, bool]]]:
-        """n supervised examples as (text, trained) segments, the prompt first."""
+    def warmstart_batch(self, rng, n: int, difficulty: int = 1) -> list[list[tuple[str, bool]]]:
+        """n supervised examples of difficulties 1 .. difficulty as (text, trained) segments,
+        the prompt first."""
 
     def answer(self, prompt: dict) -> list[tuple[str, bool]]:
         """A right answer to a prompt as (text, trained) segments (evaluate.answer_nll)."""
@@ -58,8 +61,9 @@ class Task(Protocol):
     def vocabulary(self) -> list[str]:
         """Every word the task can produce (the tiny word-level tokenizer)."""
 
-    def fingerprint(self) -> dict:
-        """Everything that shapes the warm start besides the policy's settings (its cache key)."""
+    def fingerprint(self, difficulty: int = 1) -> dict:
+        """Everything that shapes a warm start up to that difficulty besides the policy's
+        settings (its cache key)."""
 
 
 TASKS: dict[str, Task] = {t.NAME: t for t in (workflow_task, tool_task)}

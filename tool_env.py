@@ -17,13 +17,20 @@ appended to the context by the caller), or
     <answer> vm.swappiness = 10 </answer>
 which ends the episode (spaces in the answer are ignored). After --max-turns turns without an answer the episode ends too.
 
+Difficulty (report 000's "ground truth too long to reach by sampling"): an episode of
+difficulty d asks about d different benchmarks, so the answer that earns the reward is d
+`setting = value` pairs, each looked up with its own call, in one answer:
+    <answer> vm.swappiness = 10 vm.dirty_ratio = 40 </answer>      (d = 2; any order)
+The prompt repeats the one-benchmark question for each, in words the tiny model already
+has, and the turn limit grows with it: max_turns + d - 1 turns, one more per extra lookup.
+
 Every way a turn can fail is a named kind returned in info["failure"], never an exception:
 FAILURES below. Model output is parsed with json.loads and matched against plain dicts;
 nothing in it is ever evaluated or executed. A generation should stop at STOP_STRINGS, so
 the environment can answer before the policy goes on.
 
 info per turn: failure (a kind or None), tool (the tool called, or None), tool_success,
-correct_call (the call asked about this episode's benchmark or setting), process_reward
+correct_call (the call asked about one of this episode's benchmarks or settings), process_reward
 (the tool's own 0.1 for a successful call: report 000 lost it; rewards.py adds it),
 answered, correct (the answer, when there is one), turn.
 """
@@ -49,6 +56,7 @@ FAILURES = ("malformed_json", "unknown_tool", "bad_arguments", "empty_result", "
 STOP_STRINGS = ("</tool_call>", "</answer>")
 MAX_TURN_CHARS = 2000          # a longer turn is "too_long"
 MAX_JSON_CHARS = 1000
+MAX_DIFFICULTY = 3             # benchmarks per episode at most (tool_task's warm start shows 1 to 3)
 
 
 def tag_body(text: str, name: str) -> str | None:
@@ -107,24 +115,54 @@ def parse_call(text: str) -> tuple[str | None, str | None, dict | None]:
     return None, call["name"], args
 
 
+def answer_pairs(text: str) -> list[tuple[str, str]] | None:
+    """The `setting = value` pairs of an answer's text, spaces ignored, or None when the text
+    is anything else: settings are lower-case dotted names, values digits
+    ("vm.swappiness=10vm.dirty_ratio=40" reads as two pairs)."""
+    flat = text.strip().replace(" ", "")
+    if not _PAIRS.fullmatch(flat):
+        return None
+    return _PAIR.findall(flat)
+
+
+_PAIR = re.compile(r"([a-z_.]+)=(\d+)")
+_PAIRS = re.compile(r"(?:[a-z_.]+=\d+)+")
+
+
 class ToolEnv:
     def __init__(self, max_turns: int = 3, benchmarks=tuple(KNOWLEDGE_BASE)):
         self.max_turns, self.benchmarks = max_turns, benchmarks
-        self.benchmark, self.kb, self.turn, self.done = None, {}, 0, True
+        self.asked, self.kb, self.turn, self.turn_limit, self.done = (), {}, 0, max_turns, True
 
-    def reset(self, seed: int | None = None) -> str:
+    def reset(self, seed: int | None = None, difficulty: int = 1) -> str:
+        """A new episode about `difficulty` different benchmarks; returns its prompt."""
+        if not 1 <= difficulty <= min(MAX_DIFFICULTY, len(self.benchmarks)):
+            raise ValueError(f"difficulty must be in [1, {min(MAX_DIFFICULTY, len(self.benchmarks))}], "
+                             f"got {difficulty}")
         rng = random.Random(seed)
-        self.benchmark = rng.choice(self.benchmarks)
+        # (difficulty 1 draws what rng.choice drew before difficulty existed: the same episodes)
+        self.asked = tuple(rng.sample(self.benchmarks, difficulty))
         # This episode's knowledge base: one recommended value per setting.
         self.kb = {b: (param, rng.choice(values)) for b, (param, values) in KNOWLEDGE_BASE.items()}
-        self.turn, self.done = 0, False
-        return (f"Which kernel setting does the {self.benchmark} benchmark depend on, and what "
-                f"value is recommended ? Use the tools , then answer as <answer> setting = value </answer>")
+        self.turn, self.turn_limit, self.done = 0, self.max_turns + difficulty - 1, False
+        questions = " ".join(f"Which kernel setting does the {b} benchmark depend on, and what value is "
+                             f"recommended ?" for b in self.asked)
+        return f"{questions} Use the tools , then answer as <answer> {' '.join(['setting = value'] * difficulty)} </answer>"
+
+    @property
+    def benchmark(self) -> str | None:
+        """The (first) benchmark the episode asks about."""
+        return self.asked[0] if self.asked else None
+
+    @property
+    def solutions(self) -> list[tuple[str, str]]:
+        """[(setting, value)] for each benchmark asked about: the episode's correct answer."""
+        return [self.kb[b] for b in self.asked]
 
     @property
     def solution(self) -> tuple[str, str]:
-        """(setting, value): the episode's correct answer."""
-        return self.kb[self.benchmark]
+        """(setting, value) of the first benchmark: the whole answer at difficulty 1."""
+        return self.solutions[0]
 
     def step(self, text: str) -> tuple[str, bool, dict]:
         """One policy turn -> (observation to append, episode done, info)."""
@@ -140,9 +178,8 @@ class ToolEnv:
         elif _DEGENERATE.search(text):
             info["failure"] = "degenerate"
         elif tag_body(text, "answer") is not None:
-            given = tag_body(text, "answer").strip().replace(" ", "")
-            param, value = self.solution
-            info.update(answered=True, correct=given == f"{param}={value}")
+            given = answer_pairs(tag_body(text, "answer"))
+            info.update(answered=True, correct=given is not None and sorted(given) == sorted(self.solutions))
             self.done = True
         elif tag_body(text, "tool_call") is not None:
             failure, name, args = parse_call(text)
@@ -160,14 +197,13 @@ class ToolEnv:
                 observation = f"<tool_response> error : {info['failure']} </tool_response>"
         else:
             info["failure"] = "no_action"
-        if not self.done and self.turn >= self.max_turns:
+        if not self.done and self.turn >= self.turn_limit:
             self.done = True
             if info["failure"] is None:       # the last turn itself went fine: the limit failed
                 info["failure"] = "turn_limit"
         return observation, self.done, info
 
     def _relevant(self, name: str, args: dict) -> bool:
-        param, _ = self.solution
         if name == "query_knowledge_base":
-            return args["topic"].strip().lower() == self.benchmark
-        return args["param"] == param
+            return args["topic"].strip().lower() in self.asked
+        return args["param"] in {param for param, _ in self.solutions}

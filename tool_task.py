@@ -4,6 +4,8 @@ An episode is a ToolEnv episode (tool_env.py): the prompt names a benchmark; the
 looks up the setting and value with `query_knowledge_base`, may check them with
 `analyze_config_impact`, and answers `<answer> setting = value </answer>`, within
 --max-turns turns. rewards.py scores the whole episode (--reward sparse | shaped | format).
+With --difficulty d the prompt names d benchmarks and the answer must hold all d pairs
+(report 000's long ground truth); --curriculum moves d from 1 up over the run (curriculum.py).
 
 The warm-start mix (what the tiny model imitates before RL) is our choice; report 000 gives
 only its starting point, a mean reward of about -0.5 under +-1 (a quarter of the episodes
@@ -21,7 +23,8 @@ import torch
 import policy
 import rewards
 import rollout
-from tool_env import FAILURES, KNOWLEDGE_BASE, STOP_STRINGS, ToolEnv
+# MAX_DIFFICULTY (tasks.Task): --difficulty's largest, the benchmarks an episode may ask about
+from tool_env import FAILURES, KNOWLEDGE_BASE, MAX_DIFFICULTY, STOP_STRINGS, ToolEnv
 
 NAME = "tools"
 SYSTEM_PROMPT = (
@@ -30,7 +33,7 @@ SYSTEM_PROMPT = (
     "<answer> setting = value </answer>. Tools: query_knowledge_base(topic: str) returns the "
     "setting a benchmark depends on and its recommended value; analyze_config_impact(param: "
     "str, value: str) says whether a value is recommended.")
-MAX_POSITIONS = 256          # prompt + up to 3 turns and 2 tool responses
+MAX_POSITIONS = 384          # prompt + up to 5 turns and 4 tool responses (difficulty 3)
 HEADLINE = ("accuracy", "tool_success_rate")
 FORMAT_KEY = "wellformed_rate"
 GROUP_KEY = "benchmark"      # results broken down by the prompt's benchmark (evaluate.by_group)
@@ -61,32 +64,49 @@ def call_text(name: str, args: dict, broken: bool = False) -> str:
     return f"<think> use a tool </think> <tool_call> {body[:-1] if broken else body} </tool_call>"
 
 
-def answer_text(param: str, value: str) -> str:
-    return f"<think> answer now </think> <answer> {param} = {value} </answer>"
+def answer_text(pairs: list) -> str:
+    """The final turn: every (setting, value) pair, in order, in one answer."""
+    body = " ".join(f"{param} = {value}" for param, value in pairs)
+    return f"<think> answer now </think> <answer> {body} </answer>"
 
 
-def demonstration(seed: int, rng: random.Random, kind: str = "") -> list[tuple[str, bool]]:
-    """One warm-start episode as (text, trained) segments, played against a real ToolEnv so
-    the tool responses are exactly those the environment gives; its kind drawn from
-    WARMSTART_MIX unless given."""
+def draw(rng: random.Random, shares: dict):
+    return rng.choices(list(shares), weights=list(shares.values()))[0]
+
+
+def demonstration(seed: int, rng: random.Random, kind: str = "", difficulty: int = 1) -> list[tuple[str, bool]]:
+    """One warm-start episode about `difficulty` benchmarks as (text, trained) segments,
+    played against a real ToolEnv so the tool responses are exactly those the environment
+    gives. Each benchmark gets its own kind from WARMSTART_MIX (or `kind` for all) and its
+    calls in turn; one answer with every pair ends it. The turn limit leaves one spare turn,
+    so at most one benchmark is looked up *and* checked (a second lookup_check is a lookup)."""
     env = ToolEnv()
-    segments = [(env.reset(seed=seed), False)]
-    param, value = env.solution
-    kind = kind or rng.choices(list(WARMSTART_MIX), weights=list(WARMSTART_MIX.values()))[0]
-    other = rng.choice([b for b in KNOWLEDGE_BASE if b != env.benchmark])
-    turns = {
-        "lookup": [call_text("query_knowledge_base", {"topic": env.benchmark}), answer_text(param, value)],
-        "lookup_check": [call_text("query_knowledge_base", {"topic": env.benchmark}),
-                         call_text("analyze_config_impact", {"param": param, "value": value}),
-                         answer_text(param, value)],
-        "wrong_topic": [call_text("query_knowledge_base", {"topic": other}), answer_text(*env.kb[other])],
-        "malformed": [call_text("query_knowledge_base", {"topic": env.benchmark}, broken=True),
-                      answer_text(param, rng.choice(ALL_VALUES))],
-        "unknown_tool": [call_text(rng.choice(["search", "lookup"]), {"topic": env.benchmark}),
-                         answer_text(param, rng.choice(ALL_VALUES))],
-        "guess": [answer_text(param, rng.choice(ALL_VALUES))],
-    }[kind]
-    for text in turns:
+    segments = [(env.reset(seed=seed, difficulty=difficulty), False)]
+    kinds = [kind or draw(rng, WARMSTART_MIX) for _ in env.asked]
+    checked = kinds.index("lookup_check") if "lookup_check" in kinds else None
+    kinds = ["lookup" if k == "lookup_check" and i != checked else k for i, k in enumerate(kinds)]
+    others = [b for b in KNOWLEDGE_BASE if b not in env.asked]
+    turns, pairs = [], []
+    for bench, kind in zip(env.asked, kinds):
+        # Every draw is made whatever the kind, so one-benchmark demonstrations are exactly
+        # those made before difficulty existed (and the cached warm start with them).
+        other, wrong_value, tool, unknown_value, guess_value = (
+            rng.choice(others), rng.choice(ALL_VALUES), rng.choice(["search", "lookup"]),
+            rng.choice(ALL_VALUES), rng.choice(ALL_VALUES))
+        param, value = env.kb[bench]
+        query = call_text("query_knowledge_base", {"topic": bench})
+        calls, pair = {
+            "lookup": ([query], (param, value)),
+            "lookup_check": ([query, call_text("analyze_config_impact", {"param": param, "value": value})],
+                             (param, value)),
+            "wrong_topic": ([call_text("query_knowledge_base", {"topic": other})], env.kb[other]),
+            "malformed": ([call_text("query_knowledge_base", {"topic": bench}, broken=True)], (param, wrong_value)),
+            "unknown_tool": ([call_text(tool, {"topic": bench})], (param, unknown_value)),
+            "guess": ([], (param, guess_value)),
+        }[kind]
+        turns += calls
+        pairs.append(pair)
+    for text in turns + [answer_text(pairs)]:
         observation, done, _ = env.step(text)
         segments.append((text, True))
         if not done:
@@ -94,27 +114,38 @@ def demonstration(seed: int, rng: random.Random, kind: str = "") -> list[tuple[s
     return segments
 
 
-def warmstart_batch(rng: random.Random, n: int) -> list[list[tuple[str, bool]]]:
-    return [demonstration(rng.choice(TRAIN_SEEDS), rng) for _ in range(n)]
+def warmstart_difficulties(top: int) -> dict:
+    """How many benchmarks a warm-start demonstration asks about, up to `top` (--sft-difficulty):
+    half of them one, the other half spread evenly over 2 .. top (our choice, like the mix)."""
+    return {1: 1.0} if top == 1 else {1: 0.5, **{d: 0.5 / (top - 1) for d in range(2, top + 1)}}
+
+
+def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[list[tuple[str, bool]]]:
+    """n demonstrations of 1 .. `difficulty` benchmarks (warmstart_difficulties)."""
+    shares, out = warmstart_difficulties(difficulty), []
+    for _ in range(n):
+        seed = rng.choice(TRAIN_SEEDS)
+        out.append(demonstration(seed, rng, difficulty=draw(rng, shares) if difficulty > 1 else 1))
+    return out
 
 
 def answer(prompt: dict) -> list[tuple[str, bool]]:
-    """A right episode for a prompt, as (text, trained) segments: look the benchmark up, then
+    """A right episode for a prompt, as (text, trained) segments: look each benchmark up, then
     answer with what the tool said (the held-out answer NLL's text: evaluate.answer_nll)."""
-    return demonstration(prompt["seed"], random.Random(0), kind="lookup")
+    return demonstration(prompt["seed"], random.Random(0), kind="lookup", difficulty=prompt["difficulty"])
 
 
 def vocabulary() -> list[str]:
     """Every word of the prompts, the demonstrations and the environment's responses."""
     env, texts = ToolEnv(), []
     for seed in range(200):                       # every benchmark, with several knowledge bases
-        texts.append(env.reset(seed=seed))
+        texts += [env.reset(seed=seed, difficulty=d) for d in range(1, MAX_DIFFICULTY + 1)]
     for bench, (param, _) in KNOWLEDGE_BASE.items():
         for value in ALL_VALUES:
             texts += [call_text("query_knowledge_base", {"topic": bench}),
                       call_text("query_knowledge_base", {"topic": bench}, broken=True),
                       call_text("analyze_config_impact", {"param": param, "value": value}),
-                      answer_text(param, value),
+                      answer_text([(param, value)]),
                       f"the {bench} benchmark depends on {param} , recommended value {value}",
                       f"{param} = {value} is not recommended , recommended value {value}"]
             texts += [call_text(t, {"topic": bench}) for t in ("search", "lookup")]
@@ -122,18 +153,23 @@ def vocabulary() -> list[str]:
     return sorted({w for t in texts for w in t.split()})
 
 
-def fingerprint() -> dict:
-    return {"task": NAME, "vocab": vocabulary(), "mix": WARMSTART_MIX,
+def fingerprint(difficulty: int = 1) -> dict:
+    """What shapes a warm start of demonstrations up to `difficulty` benchmarks (the
+    difficulties' shares only above 1, so the one-benchmark key is the one it always was)."""
+    more = {"difficulties": warmstart_difficulties(difficulty)} if difficulty > 1 else {}
+    return {"task": NAME, "vocab": vocabulary(), "mix": WARMSTART_MIX, **more,
             "kb": {b: [p, list(v)] for b, (p, v) in KNOWLEDGE_BASE.items()}}
 
 
-def prompts(split: str) -> list[dict]:
-    """Training or held-out episodes: dicts with the env seed, the prompt text and its benchmark."""
+def prompts(split: str, difficulty: int = 1) -> list[dict]:
+    """Training or held-out episodes of a difficulty (benchmarks asked about): dicts with the
+    env seed, the prompt text, its (first) benchmark and the difficulty."""
     seeds = TRAIN_SEEDS if split == "train" else EVAL_SEEDS
     out = []
     for s in seeds:
         env = ToolEnv()
-        out.append({"seed": s, "text": env.reset(seed=s), "benchmark": env.benchmark})
+        out.append({"seed": s, "text": env.reset(seed=s, difficulty=difficulty), "benchmark": env.benchmark,
+                    "difficulty": difficulty})
     return out
 
 
@@ -156,7 +192,7 @@ def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True
     for p in prompts:
         for _ in range(k):
             envs.append(ToolEnv(max_turns=sampling.max_turns))
-            envs[-1].reset(seed=p["seed"])
+            envs[-1].reset(seed=p["seed"], difficulty=p["difficulty"])
     texts = [policy.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
     batch, infos, turns = rollout.sample_episodes(models, texts, envs, k, sampling, STOP_STRINGS,
                                                   record_old_logp)

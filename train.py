@@ -4,6 +4,7 @@
     python train.py --k 2 --batch 3 --norm group   # report 001's setting, for contrast
     python train.py --algo ppo                     # PPO: a value head, GAE, the same task
     python train.py --task tools --reward sparse   # report 000: a multi-turn tool agent
+    python train.py --task tools --reward sparse --difficulty 3 --curriculum   # report 000: short -> long tasks
     python train.py --algo rce --reward composite --save-every 20 --out runs/rce   # report 003's RCE ...
     python train.py --init-from runs/rce --reward composite                        # ... then GRPO from it
     python train.py --model smollm2-135m --k 4 --batch 4 --lr 2e-5 --steps 20   # a real LLM (README, Lesson 5)
@@ -74,7 +75,7 @@ def load(cfg: Config, task, device: str, log):
     another run's weights (checkpoint.starting_point)."""
     default = policy.WARM_START["real" if cfg.model else "tiny"]
     warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
-                            default.batch, cfg.sft_seed)
+                            default.batch, cfg.sft_seed, cfg.sft_difficulty)
     if cfg.model:
         folder = pretrained.resolve(cfg.model, Path(cfg.model_cache or pretrained.default_cache()), log)
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
@@ -312,7 +313,7 @@ def start(cfg: Config, out: Path) -> Run:
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
-              prompts_of(task), *logs, log, started)
+              prompts_of(task, cfg), *logs, log, started)
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
         held_out(run, row := {"step": 0})                    # before any update: evaluation only
         state.first_eval = state.last_eval
@@ -324,11 +325,14 @@ def start(cfg: Config, out: Path) -> Run:
     return run
 
 
-def prompts_of(task) -> dict:
-    """The task's "train" and "eval" prompts, and "nll": 32 training prompts spread over the
-    list, on which the answer NLL is measured beside the held-out one."""
-    train = task.prompts("train")
-    return {"train": train, "eval": task.prompts("eval"), "nll": train[::max(1, len(train) // 32)][:32]}
+def prompts_of(task, cfg: Config) -> dict:
+    """The task's prompts: "train", a list per difficulty the run trains at (--curriculum: 1
+    up to --difficulty); "eval", held out, at --difficulty; "nll": 32 training prompts at
+    --difficulty spread over the list, on which the answer NLL is measured beside the held-out one."""
+    levels = range(1, cfg.difficulty + 1) if cfg.curriculum else [cfg.difficulty]
+    train = {d: task.prompts("train", d) for d in levels}
+    last = train[cfg.difficulty]
+    return {"train": train, "eval": task.prompts("eval", cfg.difficulty), "nll": last[::max(1, len(last) // 32)][:32]}
 
 
 def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
@@ -475,9 +479,9 @@ def train(cfg: Config) -> dict:
         return report.finish(task, out, state, run.stability.episodes, run.log)
 
 
-def draw_prompts(run: Run) -> list:
-    """A step's B training prompts (this rank's share of them under torchrun)."""
-    train, b = run.prompts["train"], run.cfg.batch
+def draw_prompts(run: Run, difficulty: int) -> list:
+    """A step's B training prompts of a difficulty (this rank's share of them under torchrun)."""
+    train, b = run.prompts["train"][difficulty], run.cfg.batch
     prompts = run.rng.sample(train, b) if b <= len(train) else run.rng.choices(train, k=b)
     return distributed.shard(prompts)                # torchrun: this rank's B/W of them, groups whole
 
@@ -488,15 +492,18 @@ def one_step(run: Run, step: int, interrupts: checkpoint.Interrupts) -> bool:
     cfg, state, task = run.cfg, run.state, run.learner.task
     t0 = time.time()
     hp = step_hyper_params(run, step)
-    prompts = draw_prompts(run)
+    # the task's difficulty: --difficulty, or with --curriculum this step's phase of it
+    level = schedules.difficulty_at(step, cfg.steps, cfg.difficulty, cfg.curriculum)
+    prompts = draw_prompts(run, level)
     if distributed.launched():
         torch.manual_seed(distributed.sampling_seed(cfg.seed, step))   # its own draws, each step
     try:
-        batch, outcomes, prompts, row, stats = rl_step(run.learner, prompts, hp, lambda: draw_prompts(run))
+        batch, outcomes, prompts, row, stats = rl_step(run.learner, prompts, hp, lambda: draw_prompts(run, level))
     except rollout.NonFiniteLogits:       # nothing could be sampled: a non-finite step
         batch, row, stats = None, report.no_rollout(task), report.no_update("logits")
     row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],
-           "entropy_coef": hp.entropy_coef, **({"rce_temp": hp.rce_temp} if hp.algo == "rce" else {})}
+           "entropy_coef": hp.entropy_coef, **({"rce_temp": hp.rce_temp} if hp.algo == "rce" else {}),
+           **({"difficulty": level} if task.MAX_DIFFICULTY > 1 else {})}
     # a signal reaches one rank at a time: every rank stops at the step any of them got one
     # (the step's last collective; account's other inputs are the same on every rank)
     state.stopped = account(run, row, stats, distributed.first_reason(interrupts.signal))

@@ -34,6 +34,7 @@ SYSTEM_PROMPT = ("Answer with a workflow in this DSL and nothing else. Operators
                  "Chain with '->'; a conditional is 'A ? B : done'. "
                  "Example: Custom -> Programmer -> Review ? Revise : done")
 MAX_POSITIONS = 128          # the tiny model's context: prompt + one completion
+MAX_DIFFICULTY = 1           # one kind of prompt (tasks.Task; the tools task has 3)
 HEADLINE = ("best_rate", "valid_rate")   # the rates the progress line and the summary show
 FORMAT_KEY = "valid_rate"                # on-format share: a collapse halves it
 GROUP_KEY = "type"                       # results broken down by problem type (evaluate.by_group)
@@ -88,7 +89,8 @@ VALID_SHARE = 0.572          # report 001: 326 / 570
 BEST_SHARE_OF_VALID = 0.35   # our choice: P(best | valid DSL) in the warm-start data
 
 
-def prompts(split: str) -> list[dict]:
+def prompts(split: str, difficulty: int = 1) -> list[dict]:
+    """The task has one difficulty (MAX_DIFFICULTY): config.py refuses --difficulty above it."""
     return make_prompts(split)
 
 
@@ -119,7 +121,7 @@ def warmstart_completion(ptype: str, rng: random.Random) -> str:
     return rng.choices(list(others), weights=list(others.values()))[0]
 
 
-def warmstart_batch(rng: random.Random, n: int) -> list[list[tuple[str, bool]]]:
+def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[list[tuple[str, bool]]]:
     """n supervised examples, each a list of (text, trained) segments: the prompt (not
     trained on) and a completion from the mix (trained on, its EOS added by policy.py)."""
     chosen = rng.choices(make_prompts("train"), k=n)
@@ -132,7 +134,7 @@ def answer(prompt: dict) -> list[tuple[str, bool]]:
     return [(prompt["text"], False), (prompt["best"], True)]
 
 
-def fingerprint() -> dict:
+def fingerprint(difficulty: int = 1) -> dict:
     """Everything that shapes the warm start besides the policy's own settings."""
     return {"vocab": vocabulary(), "mix": [VALID_SHARE, BEST_SHARE_OF_VALID, REPORT_TOP_PATTERNS,
                                            FALLBACK_TEXTS, BEST_WORKFLOW]}

@@ -33,8 +33,8 @@ COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet"
 # so with a reference it reports ref_kl, as ppo.update's docstring had claimed all along.
 ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
 # Measurements added after the redesign, which read the policy and change nothing it learns:
-# issue 18's answer NLL at each held-out evaluation.
-MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll"}
+# issue 18's answer NLL at each held-out evaluation; issue 17's task difficulty of each step.
+MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty"}
 
 
 def run(name: str, tmp: Path) -> list[dict]:

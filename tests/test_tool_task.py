@@ -45,7 +45,7 @@ def test_environment_tokens_get_mask_zero_and_attention_one(tiny, monkeypatch):
     env.reset(seed=5)
     param, value = env.solution
     call = tool_task.call_text("query_knowledge_base", {"topic": env.benchmark})
-    answer = tool_task.answer_text(param, value)
+    answer = tool_task.answer_text([(param, value)])
     monkeypatch.setattr(model, "generate", scripted_generate(tok, [call, answer]))
     envs = [ToolEnv() for _ in range(2)]
     for e in envs:
@@ -130,7 +130,7 @@ def test_rates_count_calls_failures_and_answers():
     env.reset(seed=0)
     param, value = env.solution
     good = [env.step(tool_task.call_text("query_knowledge_base", {"topic": env.benchmark}))[2],
-            env.step(tool_task.answer_text(param, value))[2]]
+            env.step(tool_task.answer_text([(param, value)]))[2]]
     env.reset(seed=0)
     bad = [env.step('<tool_call> {"name": </tool_call>')[2], env.step("nothing")[2],
            env.step("<answer> x = 1 </answer>")[2]]
