@@ -1,8 +1,8 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python lab.py                        # all twelve experiments, 6 seeds per setting (README: its time)
+    python lab.py                        # all thirteen experiments, 6 seeds per setting (README: its time)
     python lab.py group_norm tools       # some of them
-    python lab.py --quick                # all twelve, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python lab.py --quick                # all thirteen, 2 seeds, a few steps, into runs/lab-quick (CI)
     python lab.py --list                 # the experiments and the report each comes from
     python lab.py --model smollm2-135m --jobs 4 group_norm   # on a real model, into results/smollm2-135m
 
@@ -496,7 +496,63 @@ def tools(lab: Lab) -> dict:
                 verdict=verdict)
 
 
-# ---- 11. Entropy (reports 000, 002) ----
+# ---- 11. A curriculum from short to long tasks (report 000) ----
+
+def curriculum(lab: Lab) -> dict:
+    """Long tool tasks from the start vs a short-to-long curriculum, sparse reward (report 000).
+
+    The long task asks about 3 benchmarks (--difficulty 3): the answer must report all three
+    settings and values, each looked up with its own call. Both start from the warm start
+    of demonstrations of 1 to 3 benchmarks (--sft-difficulty 3 by default), whose long
+    answers are rarely right (test_curriculum.py). The curriculum trains a
+    third of the steps at 1 benchmark, a third at 2, a third at 3 (schedules.difficulty_at);
+    both are evaluated on the long tasks throughout."""
+    settings = {"long from the start": "--difficulty 3", "short -> long": "--difficulty 3 --curriculum"}
+    metrics = ("eval_accuracy", "reward_mean", "frac_zero_std_groups", "failure/degenerate")
+    # B=4 (the tools experiment's 8 halved) for the lab's time; --quick: a 30-step warm start and B=2
+    common = "--task tools --reward sparse --batch 4 --steps 100 --eval-every 20" + " --sft-steps 30 --batch 2" * lab.quick
+    r = lab.sweep("curriculum", list(settings.values()), common, metrics, ("eval_failure/degenerate_end",))
+    runs = {label: r[lab.shrink(flags)] for label, flags in settings.items()}
+    acc = {label: [x["eval_accuracy_end"] for x in rs] for label, rs in runs.items()}
+
+    def over_run(rs, key, part=slice(None)):          # a per-step metric, each run's mean over part of it
+        return [mean(x[key] for x in metric_rows(run)[1:][part] if x.get(key) is not None) for run in rs]
+    third = slice(0, None if lab.quick else 33)
+    zero = {label: over_run(rs, "frac_zero_std_groups", third) for label, rs in runs.items()}
+    degenerate = {label: over_run(rs, "failure/degenerate") for label, rs in runs.items()}
+    degenerate_end = {label: [x["eval_failure/degenerate_end"] for x in rs] for label, rs in runs.items()}
+    long, cur = acc.values()
+    fmt = lambda xs: "[" + ", ".join(f"{x:.2f}" for x in xs) + "]"
+    # rule (written before the first run): the curriculum "helps" if its mean held-out accuracy
+    # on the long tasks at the end beats long-from-the-start's by more than the larger of the
+    # two spreads (population std over seeds); long tasks "degenerate" if their runs end with
+    # more than 0.1 degenerate turns per held-out episode ("!!!!", the same word 6 times).
+    helps = mean(cur) - mean(long) > max(statistics.pstdev(long), statistics.pstdev(cur))
+    degenerates = mean(degenerate_end["long from the start"]) > 0.1
+    verdict = ("reproduced" if helps and degenerates else
+               "partly: the curriculum helps, but long tasks from the start do not degenerate" if helps else
+               "partly: long tasks from the start degenerate, but the curriculum does not help" if degenerates
+               else "not reproduced")
+    return dict(report="000", figure="curriculum/compare.png",
+                claim="a ground truth too long to reach by sampling gives RL nothing to learn from and the policy "
+                      "degenerates (`!!!!!`); a curriculum from short to long tasks fixes it",
+                measured="held-out accuracy on the long (3-benchmark) tasks at the end, per seed: " + "; ".join(
+                    f"{label} {fmt(xs)} (mean {mean(xs):.2f})" for label, xs in acc.items())
+                    + f"; at the start {end(runs['long from the start'], 'eval_accuracy_start'):.2f}"
+                    + "; share of groups with no signal (all K rewards equal), mean over the first third of "
+                    "the steps: " + "; ".join(f"{label} {mean(xs):.2f}" for label, xs in zero.items())
+                    + "; steps that took an update (any reward differed), per seed: " + "; ".join(
+                    f"{label} {[x['updates'] for x in rs]}" for label, rs in runs.items())
+                    + "; held-out tool calls per episode at the end: " + "; ".join(
+                    f"{label} {end(rs, 'eval_tool_calls_end'):.2f}" for label, rs in runs.items())
+                    + "; degenerate turns per training episode, run mean: " + "; ".join(
+                    f"{label} {mean(xs):.3f}" for label, xs in degenerate.items())
+                    + ", per held-out episode at the end: " + "; ".join(
+                    f"{label} {mean(xs):.3f}" for label, xs in degenerate_end.items()),
+                verdict=verdict)
+
+
+# ---- 12. Entropy (reports 000, 002) ----
 
 def entropy(lab: Lab) -> dict:
     """With and without an entropy bonus; a too-high lr without clipping and the NaN guard (000, 002)."""
@@ -525,7 +581,7 @@ def entropy(lab: Lab) -> dict:
                 "partly" if bonus > no_bonus else "not reproduced")
 
 
-# ---- 12. The stability monitor (report 002) ----
+# ---- 13. The stability monitor (report 002) ----
 
 def monitor_warning(lab: Lab) -> dict:
     """Report 002's monitor on collapsing runs: how many steps of warning (report 002).
@@ -566,7 +622,7 @@ def monitor_warning(lab: Lab) -> dict:
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
-               "entropy": entropy,
+               "curriculum": curriculum, "entropy": entropy,
                "monitor": monitor_warning}
 NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"]}          # experiments whose runs another one reads
 
