@@ -510,7 +510,8 @@ def curriculum(lab: Lab) -> dict:
     settings = {"long from the start": "--difficulty 3", "short -> long": "--difficulty 3 --curriculum"}
     metrics = ("eval_accuracy", "reward_mean", "frac_zero_std_groups", "failure/degenerate")
     # B=4 (the tools experiment's 8 halved) for the lab's time; --quick: a 30-step warm start and B=2
-    common = "--task tools --reward sparse --batch 4 --steps 100 --eval-every 20" + " --sft-steps 30 --batch 2" * lab.quick
+    common = "--task tools --reward sparse --batch 4 --steps 100 --eval-every 20" \
+        + " --sft-steps 30 --batch 2" * lab.quick
     r = lab.sweep("curriculum", list(settings.values()), common, metrics, ("eval_failure/degenerate_end",))
     runs = {label: r[lab.shrink(flags)] for label, flags in settings.items()}
     acc = {label: [x["eval_accuracy_end"] for x in rs] for label, rs in runs.items()}

@@ -147,7 +147,8 @@ class ToolEnv:
         self.turn, self.turn_limit, self.done = 0, self.max_turns + difficulty - 1, False
         questions = " ".join(f"Which kernel setting does the {b} benchmark depend on, and what value is "
                              f"recommended ?" for b in self.asked)
-        return f"{questions} Use the tools , then answer as <answer> {' '.join(['setting = value'] * difficulty)} </answer>"
+        form = " ".join(["setting = value"] * difficulty)
+        return f"{questions} Use the tools , then answer as <answer> {form} </answer>"
 
     @property
     def benchmark(self) -> str | None:

@@ -5,7 +5,8 @@ looks up the setting and value with `query_knowledge_base`, may check them with
 `analyze_config_impact`, and answers `<answer> setting = value </answer>`, within
 --max-turns turns. rewards.py scores the whole episode (--reward sparse | shaped | format).
 With --difficulty d the prompt names d benchmarks and the answer must hold all d pairs
-(report 000's long ground truth); --curriculum moves d from 1 up over the run (curriculum.py).
+(report 000's long ground truth); --curriculum moves d from 1 up over the run
+(schedules.difficulty_at).
 
 The warm-start mix (what the tiny model imitates before RL) is our choice; report 000 gives
 only its starting point, a mean reward of about -0.5 under +-1 (a quarter of the episodes
@@ -100,7 +101,8 @@ def demonstration(seed: int, rng: random.Random, kind: str = "", difficulty: int
             "lookup_check": ([query, call_text("analyze_config_impact", {"param": param, "value": value})],
                              (param, value)),
             "wrong_topic": ([call_text("query_knowledge_base", {"topic": other})], env.kb[other]),
-            "malformed": ([call_text("query_knowledge_base", {"topic": bench}, broken=True)], (param, wrong_value)),
+            "malformed": ([call_text("query_knowledge_base", {"topic": bench}, broken=True)],
+                          (param, wrong_value)),
             "unknown_tool": ([call_text(tool, {"topic": bench})], (param, unknown_value)),
             "guess": ([], (param, guess_value)),
         }[kind]

@@ -332,7 +332,8 @@ def prompts_of(task, cfg: Config) -> dict:
     levels = range(1, cfg.difficulty + 1) if cfg.curriculum else [cfg.difficulty]
     train = {d: task.prompts("train", d) for d in levels}
     last = train[cfg.difficulty]
-    return {"train": train, "eval": task.prompts("eval", cfg.difficulty), "nll": last[::max(1, len(last) // 32)][:32]}
+    return {"train": train, "eval": task.prompts("eval", cfg.difficulty),
+            "nll": last[::max(1, len(last) // 32)][:32]}
 
 
 def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
