@@ -119,6 +119,8 @@ class Config:
     # evaluation and output
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps")
     eval_samples: int = opt(4, "samples per held-out prompt at each evaluation")
+    eval_prompts: int = opt(0, "held-out prompts per evaluation, spread over the list (and as many training "
+                               "prompts for the answer NLL); 0 = all 32: fewer for a quick look at a real model on a CPU")
     early_stop_patience: int = opt(0, "stop once the held-out reward has not improved for this many "
                                       "evaluations, keeping the best one's checkpoint; 0 = off")
     seed: int = opt(0, "seed of the RL phase (prompts and sampling)")
@@ -308,6 +310,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.max_new_tokens >= 0, "max-new-tokens", f"must be >= 1 (or 0 = the default), got {cfg.max_new_tokens}")
     need(cfg.eval_every >= 1, "eval-every", f"must be >= 1, got {cfg.eval_every}")
     need(cfg.eval_samples >= 1, "eval-samples", f"must be >= 1, got {cfg.eval_samples}")
+    need(cfg.eval_prompts >= 0, "eval-prompts", f"must be >= 1 (or 0 = all), got {cfg.eval_prompts}")
     need(cfg.hidden >= 4 and cfg.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {cfg.hidden}")
     need(cfg.layers >= 1, "layers", f"must be >= 1, got {cfg.layers}")
     need(cfg.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {cfg.sft_steps}")

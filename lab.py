@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 import advantages
 import compare
@@ -686,6 +687,7 @@ def main(argv=None):
     names = args.names or list(EXPERIMENTS)
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
     lab = Lab(out, args.quick, args.model, args.jobs)
+    transformers.utils.logging.disable_progress_bar()    # loading the tiny model here (batch_size): no bars
     summary_file = out / "summary.json"
     # Entries of experiments not run now stay as they were: a partial (or interrupted) run
     # updates only its own experiments.

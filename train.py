@@ -327,13 +327,16 @@ def start(cfg: Config, out: Path) -> Run:
 
 def prompts_of(task, cfg: Config) -> dict:
     """The task's prompts: "train", a list per difficulty the run trains at (--curriculum: 1
-    up to --difficulty); "eval", held out, at --difficulty; "nll": 32 training prompts at
-    --difficulty spread over the list, on which the answer NLL is measured beside the held-out one."""
+    up to --difficulty); "eval", held out, at --difficulty (--eval-prompts of them, spread over
+    the list); "nll": as many training prompts (32 by default) at --difficulty spread over
+    theirs, on which the answer NLL is measured beside the held-out one."""
     levels = range(1, cfg.difficulty + 1) if cfg.curriculum else [cfg.difficulty]
     train = {d: task.prompts("train", d) for d in levels}
-    last = train[cfg.difficulty]
-    return {"train": train, "eval": task.prompts("eval", cfg.difficulty),
-            "nll": last[::max(1, len(last) // 32)][:32]}
+    held_out, n = task.prompts("eval", cfg.difficulty), cfg.eval_prompts
+
+    def spread(xs: list, n: int) -> list:              # every (len/n)-th: each part of the list
+        return xs[::max(1, len(xs) // n)][:n]
+    return {"train": train, "eval": spread(held_out, n or len(held_out)), "nll": spread(train[cfg.difficulty], n or 32)}
 
 
 def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:

@@ -133,7 +133,8 @@ def test_one_rl_step_changes_the_weights_and_its_checkpoint_loads_with_plain_tra
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--model", str(folder), "--sft-steps", "0",
                         "--algo", algo, "--steps", "1", "--batch", "2", "--k", "4", "--norm", "global",
-                        "--lr", "1e-5", "--eval-samples", "1", "--max-new-tokens", "16", "--save-every", "1",
+                        "--lr", "1e-5", "--eval-samples", "1", "--eval-prompts", "4", "--max-new-tokens", "16",
+                        "--save-every", "1",
                         "--out", str(out), "--quiet"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     ckpt = next((out / "checkpoints").glob("step-*"))

@@ -87,6 +87,7 @@ def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     (["--sft-lr", "nan"], "--sft-lr"),
     (["--sft-lr", "-5"], "--sft-lr"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints"),
+    (["--eval-prompts", "-1"], "--eval-prompts"),
 ])
 def test_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
@@ -150,3 +151,16 @@ def test_proportional_kl_control_moves_beta_as_ziegler_s_rule_says(tmp_path):
     for a, b in zip(rows, rows[1:]):                      # beta of step t+1 from the KL of step t, N = 8
         error = min(max(a["kl"] / 0.5 - 1, -0.2), 0.2)
         assert b["kl_coef"] == pytest.approx(a["kl_coef"] * (1 + error * 8 / 40))
+
+
+def test_eval_prompts_evaluates_that_many_held_out_prompts_spread_over_the_list(tmp_path):
+    held, trained = workflow_task.prompts("eval"), workflow_task.prompts("train")
+    every = train.prompts_of(workflow_task, config.parse_config(quick(tmp_path, "all")))
+    assert every["eval"] == held and every["nll"] == trained[::3][:32]            # the default: all 32
+    cfg = config.parse_config(quick(tmp_path, "few", "--eval-prompts", "4"))
+    few = train.prompts_of(workflow_task, cfg)
+    assert few["eval"] == [held[0], held[8], held[16], held[24]] and few["nll"] == trained[::24][:4]
+    assert len({p[workflow_task.GROUP_KEY] for p in few["eval"]}) > 1              # not the first type alone
+    train.train(cfg)                                      # 1 sample per prompt: 4 held-out rollouts
+    evals = [r for r in map(json.loads, open(tmp_path / "few" / "samples.jsonl")) if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 3] and all(len(r["samples"]) == 4 for r in evals)
