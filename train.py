@@ -334,8 +334,8 @@ def prompts_of(task, cfg: Config) -> dict:
     train = {d: task.prompts("train", d) for d in levels}
     held_out, n = task.prompts("eval", cfg.difficulty), cfg.eval_prompts
 
-    def spread(xs: list, n: int) -> list:              # every (len/n)-th: each part of the list
-        return xs[::max(1, len(xs) // n)][:n]
+    def spread(xs: list, k: int) -> list:              # every (len/k)-th: each part of the list
+        return xs[::max(1, len(xs) // k)][:k]
     return {"train": train, "eval": spread(held_out, n or len(held_out)), "nll": spread(train[cfg.difficulty], n or 32)}
 
 
