@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 import advantages
-import distributed
+from running import distributed
 import kl
 import rce
 

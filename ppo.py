@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 import advantages
-import distributed
+from running import distributed
 import grpo
 import kl
 import logprobs

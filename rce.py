@@ -28,7 +28,7 @@ policy gradient whose "advantages" K*w_i are never negative. There is no baselin
 whose K candidates are all wrong (equal rewards) gets w_i = 1/K and its wrong answers are
 imitated as firmly as a right answer is elsewhere. GRPO's advantages sum to zero within a
 group, so such a prompt contributes nothing there. Its loop is grpo.update's (no ratio, no
-clipping, no KL term: the loss below replaces the clipped surrogate); `python lab.py
+clipping, no KL term: the loss below replaces the clipped surrogate); `python -m lab
 rce_grpo` measures RCE-only, RCE -> GRPO and GRPO-only against the warm start.
 """
 import torch

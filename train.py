@@ -44,24 +44,24 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-import checkpoint
-import config
-import distributed
+from running import checkpoint
+from running import config
+from running import distributed
 import dynamic_sampling
-import evaluate
+from running import evaluate
 import grpo
 import kl
 import logprobs
-import monitor
-import policy
+from running import monitor
+from models import policy
 import ppo
-import pretrained
+from models import pretrained
 import rce
-import report
+from running import report
 import rollout
-import schedules
+from running import schedules
 import tasks
-from config import Config, default_out, fail, parse_config
+from running.config import Config, default_out, fail, parse_config
 
 TASKS = tasks.TASKS
 

@@ -9,7 +9,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 import logprobs  # noqa: E402  (after the path)
-import policy  # noqa: E402
+from models import policy  # noqa: E402
 from rollout import Rollout, completion_mask  # noqa: E402
 
 

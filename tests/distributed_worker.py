@@ -19,12 +19,12 @@ sys.path.insert(0, str(Path(__file__).parent))           # conftest (it puts the
 from conftest import synthetic_batch, tiny_model  # noqa: E402
 
 import advantages  # noqa: E402
-import distributed  # noqa: E402
+from running import distributed  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import ppo  # noqa: E402
-import report  # noqa: E402
-import workflow_task  # noqa: E402
+from running import report  # noqa: E402
+from tasks import workflow_task  # noqa: E402
 from rollout import completion_mask  # noqa: E402
 
 B, K = 4, 4                                              # N = 16 rollouts, 8 per rank

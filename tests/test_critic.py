@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-import checkpoint
-import config
+from running import checkpoint
+from running import config
 import grpo
 import logprobs
 import ppo

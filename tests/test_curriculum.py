@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-import config
-import policy
+from running import config
+from models import policy
 import rewards
-import schedules
-import tool_task
+from running import schedules
+from tasks import tool_task
 import train
 from conftest import quick
 from tool_env import KNOWLEDGE_BASE, ToolEnv, answer_pairs

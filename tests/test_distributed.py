@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import advantages
-import distributed
+from running import distributed
 import grpo
 from conftest import quick
 from distributed_worker import one_process

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import config
+from running import config
 import dynamic_sampling
 import logprobs
 import train

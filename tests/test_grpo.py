@@ -142,7 +142,7 @@ def first_epoch_ratio_stats(model):
 
 
 def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():
-    import policy
+    from models import policy
     noisy = first_epoch_ratio_stats(gpt2_model())
     assert noisy["approx_kl"] > 1e-4                      # GPT-2's 0.1 dropouts: ratio != 1 at once
     model = gpt2_model()

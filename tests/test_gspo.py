@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import config
+from running import config
 import grpo
 import logprobs
 import train

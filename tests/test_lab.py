@@ -2,8 +2,8 @@
 figure and gets a verdict computed from its numbers; and bench.py measures a step."""
 import json
 
-import bench
-import lab
+from lab import bench
+from lab import main as lab
 
 
 def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path):
@@ -29,7 +29,7 @@ def test_bench_measures_a_step_of_ours(tmp_path):
 
 
 def test_compare_jobs_runs_seeds_as_processes_and_collects_their_summaries(tmp_path):
-    import compare
+    from lab import compare
     common = "--steps 2 --batch 2 --k 4 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1"
     compare.main(["--k 4", "--seeds", "2", "--jobs", "2", "--common", common, "--out", str(tmp_path)])
     summaries = json.loads((tmp_path / "summaries.json").read_text())["--k 4"]
@@ -39,7 +39,7 @@ def test_compare_jobs_runs_seeds_as_processes_and_collects_their_summaries(tmp_p
 
 
 def test_a_failing_job_names_its_command_and_last_line(tmp_path):
-    import compare
+    from lab import compare
     import pytest
     with pytest.raises(RuntimeError, match=r"exited 2: .*--layers"):
         compare.run_one(["--layers", "0", "--out", str(tmp_path / "r")], compare.Launch(jobs=2))
@@ -56,7 +56,7 @@ def test_on_a_real_model_the_lab_scales_lr_and_steps_and_keeps_k_and_b(tmp_path)
 def test_pooled_runs_reuse_their_workers_and_match_a_run_in_this_process(tmp_path):
     """--jobs N runs seeds in N worker processes started once (compare.pool); a worker has
     fewer threads than this process, which must not change a run of the tiny model."""
-    import compare
+    from lab import compare
     argv = "--steps 3 --batch 2 --k 4 --eval-every 2 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1".split()
     here = compare.run_one(argv + ["--out", str(tmp_path / "here")], compare.Launch())
     pooled = compare.run_one(argv + ["--out", str(tmp_path / "pooled")], compare.Launch(jobs=2))
@@ -73,7 +73,7 @@ def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
     """The lab evaluates most experiments every 20 steps instead of 10: an evaluation draws
     with its own seed and leaves the training RNG alone (evaluate.sample_seeded), so every
     training metric, and the last evaluation, are the same."""
-    import config
+    from running import config
     import train
     from conftest import quick
     runs = {}

@@ -92,7 +92,7 @@ def test_completion_logprobs_apply_the_model_s_own_logit_post_processing(name):
 
 
 def test_a_model_with_an_unknown_logit_transform_is_detected_and_refused(tmp_path, monkeypatch):
-    import policy
+    from models import policy
     model = tiny_model()
     real_forward = model.forward
 
@@ -145,7 +145,7 @@ def test_rollouts_sample_from_the_distribution_their_logprobs_score(monkeypatch)
     """A model whose saved generation config sets a repetition penalty, min-p, typical-p, top-k,
     top-p, banned n-grams and suppressed tokens: generate's processed scores (the distribution it
     sampled from) still equal our log-probs of softmax(logits / T)."""
-    import policy
+    from models import policy
     import rollout
     import tasks
     from transformers import GenerationConfig

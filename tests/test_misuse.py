@@ -13,15 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import bench
-import checkpoint
-import compare
-import config
+from lab import bench
+from running import checkpoint
+from lab import compare
+from running import config
 import logprobs
-import lab
-import policy
+from lab import main as lab
+from models import policy
 import train
-import workflow_task
+from tasks import workflow_task
 from conftest import quick
 
 ROOT = Path(__file__).resolve().parent.parent

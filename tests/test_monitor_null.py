@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-import config
-import monitor
+from running import config
+from running import monitor
 import train
 
 

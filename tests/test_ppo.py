@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-import config
+from running import config
 import logprobs
 import ppo
 import train

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import pretrained
+from models import pretrained
 
 ROOT = Path(__file__).parent.parent
 

@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import compare
-import config
-import evaluate
+from lab import compare
+from running import config
+from running import evaluate
 import grpo
 import logprobs
-import policy
+from models import policy
 import rce
 import rewards
 import rollout
 import tool_env
-import tool_task
+from tasks import tool_task
 import train
-import workflow_task
+from tasks import workflow_task
 from conftest import quick, synthetic_batch, tiny_model
 
 
@@ -243,7 +243,7 @@ def test_a_second_stages_setting_names_each_seeds_first_stage_run():
 
 
 def test_pruning_spares_the_best_checkpoint_and_a_later_stage_starts_from_it(tmp_path):
-    import checkpoint
+    from running import checkpoint
     run_dir = tmp_path / "run"
     for step in (0, 10, 20, 30):
         (run_dir / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)

@@ -24,13 +24,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import evaluate
-import policy
-import pretrained
+from running import evaluate
+from models import policy
+from models import pretrained
 import rollout
 import tasks
-import tool_task
-import workflow_task
+from tasks import tool_task
+from tasks import workflow_task
 from tool_env import STOP_STRINGS
 
 ROOT = Path(__file__).parent.parent

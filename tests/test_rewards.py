@@ -4,7 +4,7 @@ import random
 import pytest
 
 import rewards
-import workflow_task as task
+from tasks import workflow_task as task
 
 CODE_BEST = task.BEST_WORKFLOW["code"]
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-import schedules
+from running import schedules
 
 
 def test_constant_with_warmup():

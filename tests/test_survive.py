@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import checkpoint
-import config
-import monitor
+from running import checkpoint
+from running import config
+from running import monitor
 import train
-import workflow_task
+from tasks import workflow_task
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-import config
+from running import config
 import grpo
 import logprobs
-import policy
+from models import policy
 import ppo
 import rollout
 import tasks
-import tool_task
+from tasks import tool_task
 import train
 from logprobs import Tokens
 from tool_env import STOP_STRINGS, ToolEnv

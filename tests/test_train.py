@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-import config
+from running import config
 import grpo
-import policy
+from models import policy
 import train
-import workflow_task
+from tasks import workflow_task
 from conftest import quick
 
 REQUIRED = ["step", "reward_mean", "reward_std", "valid_rate", "best_rate", "fallback_rate",
@@ -98,7 +98,7 @@ def test_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys, tmp
 
 
 def test_compare_runs_every_setting_over_seeds_and_writes_table_and_figure(tmp_path, capsys):
-    import compare
+    from lab import compare
     common = " ".join(quick(tmp_path, "unused")[:-2])                  # all but --out
     compare.main(["--seeds", "2", "--common", common, "--out", str(tmp_path / "cmp"),
                   "--k 2 --norm group", "--k 4 --norm global"])

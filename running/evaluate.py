@@ -11,14 +11,14 @@ Beside the rates, the held-out *loss* report 003 watched: `answer_nll`, the per-
 of a right answer (the task's `answer`: the best workflow, or a look-up-then-answer
 episode), teacher-forced, on the held-out prompts and on 32 training prompts. `by_group`
 breaks the rates down the way report 003 broke its accuracy down by shots (by problem type
-for the DSL task), for `python compare.py checkpoints RUN ...`.
+for the DSL task), for `python -m lab.compare checkpoints RUN ...`.
 """
 import statistics
 
 import torch
 
 import advantages
-import policy
+from models import policy
 import ppo
 
 EVAL_SEED = 1234

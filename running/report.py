@@ -63,7 +63,7 @@ lost_log_lines), why it stopped (stopped: a failure; early_stopped: --early-stop
 a normal end), eval_<headline>_start and eval_<rate>_end, the evaluation with the highest
 held-out reward (best_step, eval_<rate>_best, and with early stopping its best_checkpoint,
 relative to the run's folder), frac_adv_negative_mean over the run, and PPO's
-explained_variance_end (the median of the last 10 steps'). compare.py and lab.py read these.
+explained_variance_end (the median of the last 10 steps'). lab/compare.py and the lab read these.
 """
 import json
 import math
@@ -75,10 +75,10 @@ from pathlib import Path
 import torch
 
 import advantages
-import checkpoint
-import distributed
+from running import checkpoint
+from running import distributed
 import kl
-import plots
+from running import plots
 import ppo
 
 
@@ -161,7 +161,7 @@ SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "s
 
 
 def summary_keys(task) -> set:
-    """Every key summary.json can hold for a task (compare.py checks --columns against it)."""
+    """Every key summary.json can hold for a task (lab/compare.py checks --columns against it)."""
     evals = [*task.RATES, "reward_mean", "answer_nll"]
     return set(SUMMARY_KEYS) | {f"eval_{key}_{when}" for key in evals for when in ("end", "best")} | \
         {f"eval_{key}_start" for key in task.HEADLINE} | {"train_answer_nll_end", "train_answer_nll_best"}

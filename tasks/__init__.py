@@ -10,8 +10,8 @@ from the flags): how to sample, and, for the tools task, how to score an episode
 from dataclasses import dataclass
 from typing import Protocol
 
-import tool_task
-import workflow_task
+from . import tool_task
+from . import workflow_task
 
 
 @dataclass(frozen=True)

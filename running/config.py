@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 import advantages
-import checkpoint
-import distributed
+from running import checkpoint
+from running import distributed
 import grpo
 import kl
-import pretrained
-import schedules
+from models import pretrained
+from running import schedules
 import tasks
 
 
@@ -451,7 +451,7 @@ def fail(message: str):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line and exit 2 (train.py, compare.py, lab.py, bench.py)."""
+    """argparse whose errors are one line and exit 2 (train.py and the lab's commands)."""
     def error(self, message):        # one line instead of usage + error
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)

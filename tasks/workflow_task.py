@@ -21,7 +21,7 @@ import random
 
 import torch
 
-import policy
+from models import policy
 import rollout
 import rewards
 from rewards import OPERATORS

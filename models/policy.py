@@ -32,7 +32,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
 
 import logprobs
 import rollout
-from pretrained import ModelError
+from models.pretrained import ModelError
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -270,7 +270,7 @@ def bf16_matmul_is_faster(n: int = 512, repeats: int = 3) -> bool:
     """Time one n x n matmul in bf16 and in float32 on this CPU. A CPU with bf16 instructions
     (AMX, AVX512-BF16) runs bf16 about twice as fast; one without them emulates it, and then
     bf16 is far slower (measured on this project's 2-core AMD EPYC, AVX2 only: 10 matmuls
-    of 1024 x 1024 took 0.119 s in float32 and 22.0 s in bf16, `python bench.py bf16`)."""
+    of 1024 x 1024 took 0.119 s in float32 and 22.0 s in bf16, `python -m lab.bench bf16`)."""
     def best(dtype):
         a = torch.randn(n, n).to(dtype)
         times = []

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-import policy
+from models import policy
 import rewards
 import rollout
 # MAX_DIFFICULTY (tasks.Task): --difficulty's largest, the benchmarks an episode may ask about

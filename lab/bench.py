@@ -1,11 +1,11 @@
 """Benchmark: seconds per GRPO step of this codebase, and of TRL's GRPOTrainer on the same work.
 
-    python bench.py                                     # tiny model: s/step, time split, tokens/s, peak memory
-    python bench.py --config 25m --vs-trl --json results/bench/25m.json
-    python bench.py --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
-    python bench.py logprobs                            # peak extra memory of logprobs.token_logprobs
-    python bench.py --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
-    python bench.py bf16                                # is bf16 faster than float32 on this machine?
+    python -m lab.bench                                     # tiny model: s/step, time split, tokens/s, peak memory
+    python -m lab.bench --config 25m --vs-trl --json results/bench/25m.json
+    python -m lab.bench --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
+    python -m lab.bench logprobs                            # peak extra memory of logprobs.token_logprobs
+    python -m lab.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
+    python -m lab.bench bf16                                # is bf16 faster than float32 on this machine?
 
 The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
@@ -36,8 +36,10 @@ from pathlib import Path
 
 import torch
 
-import config
-import report
+from running import config
+from running import report
+
+ROOT = Path(__file__).parent.parent          # the repository: workers run as `python -m lab.bench` there
 
 CONFIGS = {   # model shape and the work per step
     "tiny": dict(vocab=3072, hidden=128, layers=2, heads=4, kv=2, inter=512, b=8, k=8, new=32, prompt=16),
@@ -55,9 +57,9 @@ def build(cfg: dict, model_name: str = ""):
     """(model, tokenizer): random weights from seed 0, words w0..wV as the vocabulary; or,
     with model_name, that real model (pretrained.resolve), not warm-started."""
     from transformers import Qwen2ForCausalLM
-    import policy
+    from models import policy
     if model_name:
-        import pretrained
+        from models import pretrained
         folder = pretrained.resolve(model_name, pretrained.default_cache(), log=lambda s: print(s, file=sys.stderr))
         return policy.real_policy(None, folder, policy.WarmStart(steps=0), Path(".cache/warmstart"))
     tok = policy.build_tokenizer([f"w{i}" for i in range(cfg["vocab"] - len(policy.SPECIAL))])
@@ -71,8 +73,8 @@ def build(cfg: dict, model_name: str = ""):
 def prompts(cfg: dict, n: int, seed: int, tok=None) -> list:
     rng = random.Random(seed)
     if "vocab" not in cfg:                      # a real model: the DSL task's prompts, chat-formatted
-        import policy
-        import workflow_task
+        from models import policy
+        from tasks import workflow_task
         chosen = rng.sample(workflow_task.prompts("train"), n)
         return [policy.format_prompt(tok, p["text"], workflow_task.SYSTEM_PROMPT) for p in chosen]
     return [" ".join(f"w{rng.randrange(cfg['vocab'] - 3)}" for _ in range(cfg["prompt"])) for _ in range(n)]
@@ -213,11 +215,11 @@ def logprobs_report(args) -> None:
           f"'x logits' = the extra memory in units of the logits tensor it was given:")
     for how, rows in (("ours", 64), ("naive", 8)):          # naive at 8 rows: 64 would need ~3x 10 GB
         for dtype in ("bfloat16", "float32"):
-            cmd = [sys.executable, __file__, "--worker", "logprobs", "--shape", f"{rows},256,151936",
+            cmd = [sys.executable, "-m", "lab.bench", "--worker", "logprobs", "--shape", f"{rows},256,151936",
                    "--dtype", dtype, "--how", how]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if out.returncode != 0:
-                sys.exit(f"bench.py: logprobs run failed:\n{out.stderr[-2000:]}")
+                sys.exit(f"python -m lab.bench: logprobs run failed:\n{out.stderr[-2000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  {how:5s} {dtype:8s} ({rows}, 256, 151936): logits {r['logits_mb']:7.0f} MB, extra "
                   f"{r['extra_mb']:7.0f} MB = {r['extra_mb'] / r['logits_mb']:.2f} x logits")
@@ -248,17 +250,17 @@ def bf16_report(args) -> None:
             x @ x
         print(f"  10 matmuls 1024 x 1024 in {str(dtype)[6:]:8s}: {time.perf_counter() - t0:.3f} s "
               f"({torch.get_num_threads()} threads)")
-    import policy
+    from models import policy
     print(f"policy.bf16_matmul_is_faster(): {policy.bf16_matmul_is_faster()} "
           f"(train.py --bf16 auto uses bf16 autocast for a real model on this CPU only if True)")
 
 
 def launch(args, who: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", who, "--config", args.config, "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "lab.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
            "--threads", str(args.threads), "--model", args.model] + ["--bf16"] * args.bf16 + ["--plain"] * args.plain
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
-        sys.exit(f"bench.py: the {who} run failed:\n{out.stderr[-3000:]}")
+        sys.exit(f"python -m lab.bench: the {who} run failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -273,7 +275,7 @@ def summarise(run: dict, warmup: int) -> dict:
 
 
 def main(argv=None):
-    p = config.OneLineParser(prog="bench.py", description=__doc__,
+    p = config.OneLineParser(prog="python -m lab.bench", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16"))
     p.add_argument("--model", default="", help="a real model (train.py --model) instead of --config")

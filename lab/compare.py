@@ -1,6 +1,6 @@
 """Compare training settings over several seeds: one table, one figure.
 
-    python compare.py --seeds 6 --common "--steps 100" \\
+    python -m lab.compare --seeds 6 --common "--steps 100" \\
         "--k 8 --batch 8 --norm global" "--k 2 --batch 3 --norm group"
 
 Each quoted setting is a train.py command line (added to --common). Every setting runs for
@@ -11,11 +11,11 @@ floor (what a frozen policy would score at the same on-format rates: monitor.py)
 draws OUT/compare.png: held-out best rate per step, a thin line per seed and the mean.
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
 
-    python compare.py --seeds 3 --nproc 2 --out runs/ddp2 "--k 8 --norm global"   # each run under torchrun
+    python -m lab.compare --seeds 3 --nproc 2 --out runs/ddp2 "--k 8 --norm global"   # each run under torchrun
 
 Every checkpoint against the baseline (report 003's last fix):
 
-    python compare.py checkpoints runs/rce runs/grpo_after_rce --samples 16
+    python -m lab.compare checkpoints runs/rce runs/grpo_after_rce --samples 16
 
 evaluates the warm start and every checkpoint of the runs on the same held-out prompts, with
 a fresh seed (not the one the runs' own evaluations and early stopping used), broken down by
@@ -45,11 +45,11 @@ import matplotlib.pyplot as plt
 import torch
 import transformers
 
-import checkpoint
-import config
-import evaluate
-import plots
-import report
+from running import checkpoint
+from running import config
+from running import evaluate
+from running import plots
+from running import report
 import rollout
 import tasks
 import train
@@ -74,7 +74,7 @@ def run_one(argv: list, launch: Launch) -> dict:
     else:
         threads = str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
         torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.nproc}"]
-        done = subprocess.run([sys.executable, *torchrun, str(Path(__file__).with_name("train.py")), *argv],
+        done = subprocess.run([sys.executable, *torchrun, str(Path(__file__).parent.parent / "train.py"), *argv],
                               env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True)
         out = Path(argv[argv.index("--out") + 1])
         if not (out / "summary.json").exists():     # it ended before it could write its summary
@@ -215,7 +215,7 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
 
 
 def main(argv=None):
-    p = config.OneLineParser(prog="compare.py", description=__doc__,
+    p = config.OneLineParser(prog="python -m lab.compare", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("settings", nargs="+", help="train.py flags for one setting, quoted")
     p.add_argument("--seeds", type=int, default=6)
@@ -365,7 +365,7 @@ def checkpoints_figure(result: dict, key: str, path: Path, title: str) -> None:
 
 
 def checkpoints_main(argv: list) -> None:
-    p = config.OneLineParser(prog="compare.py checkpoints",
+    p = config.OneLineParser(prog="python -m lab.compare checkpoints",
                              description="Evaluate the warm start and every checkpoint of the runs on the "
                                          "same held-out prompts, broken down by the task's group.")
     p.add_argument("runs", nargs="+", type=Path, help="run folders (with checkpoints/)")
@@ -399,5 +399,5 @@ if __name__ == "__main__":
             sys.exit(0)
         main()
     except KeyboardInterrupt:
-        print("compare.py: interrupted; the finished runs' folders are kept", file=sys.stderr)
+        print("python -m lab.compare: interrupted; the finished runs' folders are kept", file=sys.stderr)
         sys.exit(130)

@@ -3,7 +3,7 @@
     python plots.py advantages            # results/k2_pm1/advantages.png: the K=2 +-1 spikes
     python plots.py run OUT_DIR           # OUT_DIR/curves.png from a run's metrics.jsonl
 
-lab.py draws every figure of the README with these functions (and compare.py's).
+The lab (lab/) draws every figure of the README with these functions.
 """
 import argparse
 import json

@@ -1,0 +1,78 @@
+"""What every experiment of the lab shares: where it writes, how it shrinks for --quick or scales
+for a real model, and a few means."""
+import re
+import statistics
+from pathlib import Path
+
+from lab import compare
+from running import plots
+
+SEEDS, QUICK_SEEDS = 6, 2
+# Most experiments evaluate every 20 steps (10 until 2026-11-23), for the lab's 40 minutes:
+# an evaluation has its own seed and leaves the training RNG alone (evaluate.sample_seeded),
+# so a run's trajectory and its end's numbers do not depend on how often it is evaluated;
+# kl_range and rce_grpo read every evaluation (the best one, early stopping) and keep 10, as
+# does group_norm_aggressive_lr (60 steps).
+
+# A real pretrained model (--model) runs each experiment with its learning rates scaled by
+# REAL_LR_SCALE and its steps divided by REAL_STEPS_DIVISOR; K and B stay, since they are
+# what the experiments compare. Why: the tiny model starts from random weights and learns
+# at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at ~1e-5, and the
+# same 100x keeps each experiment's "moderate" and "aggressive" rates apart by the same
+# factor (an experiment that sets no --lr gets train.py's real-model default, 2e-5). A real
+# model's step takes 16.7 s on a 2-core CPU (`python -m lab.bench --model smollm2-135m`), so a
+# third of the steps. These are our choices, not tuned to any outcome.
+REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3
+
+
+class Lab:
+    """Where an experiment writes, and how big it runs (--quick shrinks every run; --model
+    scales them for a real model; --jobs runs seeds side by side in worker processes)."""
+
+    def __init__(self, root: Path, quick: bool, model: str = "", jobs: int = 1):
+        self.root, self.quick, self.model, self.jobs = root, quick, model, jobs
+        self.seeds = QUICK_SEEDS if quick else SEEDS
+
+    def dir(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def shrink(self, flags: str) -> str:
+        """--quick: every --steps N becomes N // 15 (at least 4; --warmup-steps and --save-every
+        too, at least 1). --model: every --steps N (and those two) becomes
+        N // REAL_STEPS_DIVISOR and every --lr x becomes x * REAL_LR_SCALE (before --quick
+        shrinks the steps further)."""
+        if self.model:
+            flags = re.sub(r"--(steps|warmup-steps|save-every) (\d+)",
+                           lambda m: f"--{m.group(1)} {max(1, int(m.group(2)) // REAL_STEPS_DIVISOR)}", flags)
+            flags = re.sub(r"--lr (\S+)", lambda m: f"--lr {float(m.group(1)) * REAL_LR_SCALE:g}", flags)
+        if not self.quick:
+            return flags
+        return re.sub(r"--(steps|warmup-steps|save-every) (\d+)",
+                      lambda m: f"--{m.group(1)} {max(4 if m.group(1) == 'steps' else 1, int(m.group(2)) // 15)}",
+                      flags)
+
+    def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=()):
+        common = self.shrink(common) + (" --eval-every 5 --eval-samples 1" if self.quick else "") \
+            + (f" --model {self.model}" if self.model else "")
+        settings = [self.shrink(s) for s in settings]
+        # an experiment's rerun replaces its own runs: the lab owns its --out folder
+        results = compare.run_settings(settings, common, self.seeds, self.dir(name), metrics, columns,
+                                       title=f"{name}: {self.seeds} seeds; common: {common}",
+                                       log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True,
+                                       launch=compare.Launch(self.jobs))
+        return {key: runs for key, runs in zip(settings, results.values())}
+
+
+def mean(xs) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def end(runs, key):
+    return mean(r[key] for r in runs)
+
+
+def metric_rows(run: dict) -> list:
+    return plots.read_metrics(run["out"])

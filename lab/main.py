@@ -1,0 +1,104 @@
+"""The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
+
+    python -m lab                        # all thirteen experiments, 6 seeds per setting (README: its time)
+    python -m lab group_norm tools       # some of them
+    python -m lab --quick                # all thirteen, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python -m lab --list                 # the experiments and the report each comes from
+    python -m lab --model smollm2-135m --jobs 4 group_norm   # on a real model, into results/smollm2-135m
+
+Each experiment writes results/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures)
+and returns the report's claim, what we measured, and a verdict computed from the numbers by
+a rule stated in the code below (never tuned to agree). results/SUMMARY.md collects them all.
+"""
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import transformers
+
+from running import config
+from lab.common import Lab
+from lab.report000 import critic, curriculum, tools
+from lab.report001 import dynamic_sampling, group_norm, k2_pm1
+from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
+from lab.report003 import kl_range, rce_grpo
+
+EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling, "critic": critic,
+               "batch_size": batch_size, "grad_clip": grad_clip,
+               "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
+               "curriculum": curriculum, "entropy": entropy,
+               "monitor": monitor_warning}
+NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"]}          # experiments whose runs another one reads
+
+
+def summary_md(results: dict) -> str:
+    head = ("# What the reports claimed, and what the lab measured\n\n"
+            "Written by `python -m lab`; each entry says when it was measured and with how many seeds "
+            "per setting. Each verdict is computed from the numbers by the rule written next to its "
+            "experiment in lab/report00N.py.\n")
+    parts = [head]
+    for name, r in results.items():
+        fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
+        when = f"{r.get('date', '?')}, {r.get('seeds', '?')} seeds" + \
+            (", QUICK: a smoke test, not a result" if r.get("quick") else "")
+        parts.append(f"## {name} (report {r['report']})\n\n- **Claimed:** {r['claim']}.\n"
+                     f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
+                     f"({when}; {r['seconds']:.0f} s){fig}\n")
+    return "\n".join(parts)
+
+
+def main(argv=None):
+    p = config.OneLineParser(prog="python -m lab", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", help="experiments to run (default: all)")
+    p.add_argument("--quick", action="store_true", help="2 seeds and a few steps each: a smoke test")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where NAME/, summary.json and SUMMARY.md go (default: results, or runs/lab-quick "
+                        "with --quick, so a smoke test never overwrites the results)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--model", default="", help="run on a real model (train.py --model, e.g. smollm2-135m), "
+                   "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
+    # --jobs 1 runs every seed in this process, one after another; more jobs run seeds side by
+    # side in worker processes started once (compare.pool), each with 1 CPU thread on 2 cores
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="run each setting's seeds in this many worker processes (default: 2, or 1 on one core)")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.model:
+        problem = config.validate_model(args.model)
+        if problem:
+            p.error(f"--model: {problem}")
+    if args.list:
+        for name, fn in EXPERIMENTS.items():
+            print(f"{name:18s} {fn.__doc__.strip().splitlines()[0]}")
+        return
+    unknown = [n for n in args.names if n not in EXPERIMENTS]
+    if unknown:
+        p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join(EXPERIMENTS)}")
+    out = args.out or Path("runs/lab-quick" if args.quick else
+                           f"results/{args.model.replace('/', '_')}" if args.model else "results")
+    if not config.writable(out):
+        p.error(f"--out: cannot create or write to the folder {str(out)!r}")
+    names = args.names or list(EXPERIMENTS)
+    names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
+    lab = Lab(out, args.quick, args.model, args.jobs)
+    transformers.utils.logging.disable_progress_bar()    # loading the tiny model here (batch_size): no bars
+    summary_file = out / "summary.json"
+    # Entries of experiments not run now stay as they were: a partial (or interrupted) run
+    # updates only its own experiments.
+    results = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    t_all = time.time()
+    for name in names:
+        t0 = time.time()
+        print(f"{name} ...", flush=True)
+        results[name] = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,
+                             date=time.strftime("%Y-%m-%d"), seeds=lab.seeds, quick=args.quick)
+        print(f"{name}: {results[name]['verdict']} ({results[name]['seconds']:.0f} s)", flush=True)
+        results = {n: results[n] for n in EXPERIMENTS if n in results}
+        summary_file.write_text(json.dumps(results, indent=1))       # after every experiment
+        (out / "SUMMARY.md").write_text(summary_md(results))
+    print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
+
