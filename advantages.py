@@ -23,17 +23,18 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
     frac_zero_std(rewards, k)                share of groups that carry no signal
     frac_pm1(advantages)                     share of advantages that are exactly +-1
 
-Under torchrun (distributed.py) each process holds whole groups of K, so the group estimators
-need nothing from the others; global, batch and reinforce++-baseline take `allsum`, a sum over
-processes, for the batch's mean and std (batch_mean_std), as whiten does for PPO.
+Under torchrun each process holds whole groups of K, so the group estimators need nothing
+from the others; global, batch and reinforce++-baseline sum over processes (`all_sum`) for
+the batch's mean and std (batch_mean_std), as whiten does for PPO. In one process those sums
+are the identity.
 
-The lesson of report 001 (../shared/seeds/001_*.txt). With K=2 and group normalisation,
+The lesson of report 001 (docs/reports.md). With K=2 and group normalisation,
 a group [r1, r2] has mean (r1+r2)/2 and population std |r1-r2|/2, so
 
     A_1 = (r1 - r2) / |r1 - r2| = +-1        whatever the gap between r1 and r2.
 
 A valid-but-second-best answer (0.2) next to the best one (1.0) is pushed away exactly as
-hard as garbage would be. `python plots.py advantages` draws it; tests/test_advantages.py
+hard as garbage would be. `python -m running.plots advantages` draws it; tests/test_advantages.py
 pins it down.
 
 Conventions (chosen, not laws; the tests show the alternatives):
@@ -46,9 +47,30 @@ Conventions (chosen, not laws; the tests show the alternatives):
 - Computation runs in float64 and is cast back, so "exactly +-1" is exact in float32.
 """
 import torch
+import torch.distributed as dist
 
 NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "none")
 GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo")  # these need K >= 2
+
+
+EPS = 1e-6          # the floor of every std we divide by: a zero-variance group gets 0, not NaN
+
+
+# ---- under torchrun: a sum over processes (the identity in one process) ----
+
+def world_size() -> int:
+    """W, the processes training together (torchrun's process group), or 1."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over every process (a new tensor on x's device); x itself in one process.
+    nccl (GPUs) sums tensors on the GPU, gloo (CPUs) on the CPU."""
+    if world_size() == 1:
+        return x
+    y = x.detach().clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y.to(x.device)
 
 
 # ---- checks and small helpers ----
@@ -75,18 +97,17 @@ def _std(x: torch.Tensor, dim, unbiased: bool) -> torch.Tensor:
     return x.std(dim=dim, correction=1 if unbiased else 0, keepdim=True)
 
 
-def batch_mean_std(x: torch.Tensor, w: torch.Tensor, unbiased: bool, allsum=None):
+def batch_mean_std(x: torch.Tensor, w: torch.Tensor, unbiased: bool):
     """The w-weighted mean and std of x (N,) over the whole batch, as two 0-d tensors. Each
-    sum runs over this process's rows and, through allsum, over every rank's (distributed.py):
+    sum runs over this process's rows and, under torchrun, over every process's (all_sum):
 
         n = sum_i w_i,   mean = sum_i w_i x_i / n,   var = sum_i w_i (x_i - mean)^2 / (n - c)
 
     c = 1 with Bessel's correction (unbiased), else 0. The mean's sums travel first, the
     squared deviations from it second (two rounds, no cancellation of sum x^2 - n mean^2)."""
-    allsum = allsum or (lambda t: t)
-    n, wx = allsum(torch.stack([w.sum(), (w * x).sum()]))
+    n, wx = all_sum(torch.stack([w.sum(), (w * x).sum()]))
     mean = wx / n.clamp_min(1e-12)                       # an empty batch: mean 0, std 0
-    var = allsum((w * (x - mean) ** 2).sum()) / (n - (1 if unbiased else 0)).clamp_min(1e-12)
+    var = all_sum((w * (x - mean) ** 2).sum()) / (n - (1 if unbiased else 0)).clamp_min(1e-12)
     return mean, var.sqrt()
 
 
@@ -97,14 +118,12 @@ def _safe_div(x: torch.Tensor, std: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ---- the estimators ----
 
-def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
-            unbiased: bool = False, clip: float | None = None,
-            lengths: torch.Tensor | None = None, allsum=None) -> torch.Tensor:
+def compute(rewards: torch.Tensor, k: int, norm: str, unbiased: bool = False,
+            clip: float | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Sequence-level advantages for N = B*K rewards grouped K per prompt.
 
     rewards: (N,) float, prompt i owns rewards[i*K:(i+1)*K].
     norm: one of NORMS (see the module docstring for each formula).
-    eps: the floor of every std we divide by (zero-variance groups get 0).
     unbiased: Bessel's correction for every std. False (default) gives K=2 -> +-1, as in
         report 001; True matches TRL / verl / OpenRLHF and gives K=2 -> +-1/sqrt(2).
     clip: if given, clamp advantages to [-clip, clip] (report 001's fix D uses 3, report
@@ -113,10 +132,9 @@ def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
     lengths: (N,) policy tokens per sequence, for reinforce++-baseline only: verl and
         OpenRLHF whiten the advantage after spreading it over tokens, so a sequence weighs
         by its length in the batch mean and std (None: every sequence weighs 1).
-    allsum: under torchrun, a function that sums a tensor over every rank
-        (distributed.all_sum), for the three estimators with batch statistics (global, batch,
-        reinforce++-baseline): rewards is then this rank's whole groups, and the mean and std
-        are the whole batch's. None: this is the whole batch.
+    Under torchrun rewards is this process's whole groups; the three estimators with batch
+    statistics (global, batch, reinforce++-baseline) sum over every process, so their mean
+    and std are the whole batch's.
     Returns (N,) advantages in the rewards' float dtype.
     """
     _check(rewards, k, norm)
@@ -128,28 +146,28 @@ def compute(rewards: torch.Tensor, k: int, norm: str, eps: float = 1e-6,
 
     if norm == "group":
         # A_i = (r_i - mean_g) / std_g            (GRPO, DeepSeekMath)
-        a = _safe_div(g - g.mean(1, keepdim=True), _std(g, 1, unbiased), eps)  # (B, K)
+        a = _safe_div(g - g.mean(1, keepdim=True), _std(g, 1, unbiased), EPS)  # (B, K)
     elif norm == "drgrpo":
         # A_i = r_i - mean_g                      (Dr. GRPO: the std division biases toward
         #                                          easy/hard prompts; drop it)
         a = g - g.mean(1, keepdim=True)                                         # (B, K)
     elif norm == "global":
         # A_i = (r_i - mean_N) / std_N            (REINFORCE++: one baseline for the batch)
-        mean, std = batch_mean_std(r, torch.ones_like(r), unbiased, allsum)
-        a = _safe_div(r - mean, std, eps)                                       # (N,)
+        mean, std = batch_mean_std(r, torch.ones_like(r), unbiased)
+        a = _safe_div(r - mean, std, EPS)                                       # (N,)
     elif norm == "batch":
         # A_i = (r_i - mean_g) / std_N            (group baseline, batch scale; std_N is the
         #                                          std of the raw rewards, as TRL computes it)
-        _, std = batch_mean_std(r, torch.ones_like(r), unbiased, allsum)
-        a = _safe_div(g - g.mean(1, keepdim=True), std, eps)                    # (B, K)
+        _, std = batch_mean_std(r, torch.ones_like(r), unbiased)
+        a = _safe_div(g - g.mean(1, keepdim=True), std, EPS)                    # (B, K)
     elif norm == "reinforce++-baseline":
         # c_i = r_i - mean_g;  A_i = (c_i - mean_N(c)) / std_N(c)    (REINFORCE++-baseline,
         #     verl and OpenRLHF: the group baseline, then whitening over the batch's tokens;
         #     Bessel-corrected as verl's masked_whiten, whatever `unbiased` says)
         c = (g - g.mean(1, keepdim=True)).reshape(-1)                           # (N,)
         w = torch.ones_like(c) if lengths is None else lengths.to(torch.float64)  # (N,)
-        mean, std = batch_mean_std(c, w, True, allsum)
-        a = _safe_div(c - mean, std, eps)                                       # (N,)
+        mean, std = batch_mean_std(c, w, True)
+        a = _safe_div(c - mean, std, EPS)                                       # (N,)
     elif norm == "rloo":
         # A_i = r_i - (sum_g r - r_i) / (K - 1)   (each sample's baseline excludes itself,
         #     = K/(K-1) * (r_i - mean_g)           so the baseline is independent of r_i)
@@ -203,16 +221,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
-           eps: float = 1e-8, allsum=None) -> torch.Tensor:
+           eps: float = 1e-8) -> torch.Tensor:
     """Masked z-score: (x - mean) / sqrt(var + eps) over the entries where mask is 1.
 
     x, mask: same shape. Population variance. shift_mean=False adds the mean back (PPO
     implementations whiten rewards that way, keeping their sign). Zero where mask is 0.
-    allsum: as in `compute`: under torchrun the mean and variance are every rank's tokens'.
+    Under torchrun the mean and variance are every process's tokens' (as in `compute`).
     """
     m = mask.to(x.dtype)
     # mean = sum(x * m) / sum(m);  var = sum((x - mean)^2 * m) / sum(m)
-    mean, std = batch_mean_std(x.flatten(), m.flatten(), False, allsum)
+    mean, std = batch_mean_std(x.flatten(), m.flatten(), False)
     var = std ** 2
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:

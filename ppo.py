@@ -27,23 +27,33 @@ One PPO step, per token t of sequence i:
     L_value  = 1/2 max((V - G)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - G)^2)
     loss     = L_policy + vf_coef * L_value - entropy_coef * H     (+ beta * kl_t with --kl-in loss)
 
-averaged by grpo.aggregate, in grpo.py's loop (epochs over shuffled mini-batches, CleanRL's
-early stop at --target-kl), which `update` below writes out with the value loss added.
+averaged by grpo.aggregate, in update.py's loop (epochs over shuffled mini-batches, CleanRL's
+early stop at --target-kl), the loop GRPO and RCE share: `loss` below is what PPO adds.
 Without --value-clip the value loss is 1/2 (V - G)^2.
 
     python train.py --algo ppo
 """
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 import advantages
-from running import distributed
 import grpo
 import kl
 import logprobs
-from grpo import HyperParams
+
+
+@dataclass(frozen=True)
+class PPOParams(grpo.HyperParams):
+    """GRPO's knobs and the critic's (the defaults are the command line's)."""
+    algo: str = "ppo"
+    kl_in_reward: bool = True        # PPO's habit: the KL is a reward penalty (--kl-in auto)
+    gamma: float = 1.0               # discount per token
+    lam: float = 0.95                # GAE lambda
+    vf_coef: float = 0.5             # weight of the value loss
+    value_clip: float = 0.2          # value-loss clip around the old values; 0 = off
 
 
 class ValueHead(nn.Module):
@@ -121,45 +131,27 @@ def explained_variance(values, returns, mask) -> float:
     return (1 - (g - v).var(correction=0) / var).item() if var > 0 else float("nan")
 
 
-def prepare(batch, hp: HyperParams) -> None:
+def prepare(batch, hp: PPOParams) -> None:
     """Fill batch.advantages (n, C, whitened) and batch.returns (n, C) from its rewards."""
     kl_t = kl.estimate(batch.old_logp, batch.ref_logp, hp.kl_estimator) \
         if (hp.kl_in_reward and batch.ref_logp is not None) else None                  # (n, C)
     r = token_rewards(batch.rewards.to(batch.old_logp.device), batch.completion_mask, hp.beta, kl_t)
     adv, batch.returns = advantages.gae(r, batch.old_values, batch.completion_mask, hp.gamma, hp.lam)
-    batch.advantages = advantages.whiten(adv, batch.completion_mask,                   # (n, C)
-                                         allsum=distributed.all_sum)     # every rank's tokens
+    batch.advantages = advantages.whiten(adv, batch.completion_mask)    # (n, C), every process's tokens
 
 
-# ---- one PPO update ----
+# ---- PPO's loss for one micro-batch (update.py's loop differentiates it) ----
 
-def update(scorer, optimizer, batch, hp: HyperParams) -> dict:
-    """PPO's losses on one batch (after `prepare`): grpo.update's loop, with the critic's
-    value loss added to the policy terms and the value head's parameters stepped too.
+def loss(logp, entropy, values, rows, mb, hp: PPOParams) -> tuple[torch.Tensor, dict]:
+    """The mini-batch's share of PPO's loss from one micro-batch, and its per-token sums:
 
-    scorer: logprobs.Scorer(policy, critic), in DDP under torchrun. Returns the metrics of
-    grpo.update plus value_loss (token mean of the unweighted value loss)."""
-    scorer.train()
-    gen = torch.Generator().manual_seed(hp.seed)
-    stats = grpo.UpdateStats()
-    for _ in range(hp.epochs):
-        stats.new_epoch()
-        for mb in grpo.minibatches(batch, hp, gen):
-            optimizer.zero_grad(set_to_none=True)
-            for i, idx in enumerate(mb.micro_batches):
-                rows = batch.rows(idx, trim=hp.fast)                              # (n, C) each
-                with distributed.accumulating(scorer, last=i == len(mb.micro_batches) - 1):
-                    logp, entropy, values = scorer(rows.tokens, hp.temperature, hp.entropy_coef > 0)
-                    per_token, sums = grpo.policy_loss(logp, rows.old_logp, entropy, rows, hp)  # (n, C)
-                    v_loss = value_loss(values, rows.old_values, rows.returns, hp.value_clip)
-                    per_token = per_token + hp.vf_coef * v_loss                           # (n, C)
-                    sums["value_loss"] = (v_loss.detach() * rows.mask).sum().item()
-                    loss = grpo.aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len)
-                    (loss * distributed.size()).backward()         # as in grpo.update
-                stats.add(loss.item(), sums)
-            loss = stats.whole_minibatch_loss()
-            stats.stepped(loss, mb.tokens, *grpo.optimizer_step(optimizer, hp.max_grad_norm, loss))
-        stats.end_epoch()
-        if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
-            break
-    return stats.result()
+        loss = aggregate(-min(ratio * A, clip(ratio) * A) + vf_coef * L_value - entropy_coef * H)
+
+    GRPO's policy terms (grpo.policy_loss) with the critic's value loss added; values (n, C)
+    are the critic's now, rows.old_values and rows.returns its values when sampled and GAE's
+    targets. value_loss is the token mean of the unweighted value loss (a metric)."""
+    per_token, sums = grpo.policy_loss(logp, rows.old_logp, entropy, rows, hp)          # (n, C)
+    v_loss = value_loss(values, rows.old_values, rows.returns, hp.value_clip)            # (n, C)
+    per_token = per_token + hp.vf_coef * v_loss
+    sums["value_loss"] = (v_loss.detach() * rows.mask).sum().item()
+    return grpo.aggregate(per_token, rows.mask, hp.loss_agg, mb.seqs, mb.tokens, hp.max_len), sums

@@ -27,11 +27,23 @@ Why it can do damage, in one line: its gradient, -(1/G) sum_i w_i grad log p(y_i
 policy gradient whose "advantages" K*w_i are never negative. There is no baseline: a prompt
 whose K candidates are all wrong (equal rewards) gets w_i = 1/K and its wrong answers are
 imitated as firmly as a right answer is elsewhere. GRPO's advantages sum to zero within a
-group, so such a prompt contributes nothing there. Its loop is grpo.update's (no ratio, no
-clipping, no KL term: the loss below replaces the clipped surrogate); `python -m lab
-rce_grpo` measures RCE-only, RCE -> GRPO and GRPO-only against the warm start.
+group, so such a prompt contributes nothing there. Its loop is update.py's, GRPO's and PPO's
+(no ratio, no clipping, no KL term: the loss below replaces the clipped surrogate);
+`python -m lab rce_grpo` measures RCE-only, RCE -> GRPO and GRPO-only against the warm start.
 """
+from dataclasses import dataclass
+
 import torch
+
+import grpo
+
+
+@dataclass(frozen=True)
+class RCEParams(grpo.HyperParams):
+    """GRPO's knobs (those RCE reads: k, the batch sizes, epochs, clipping of the gradient)
+    and this step's temperature tau (train.py moves it from --rce-temp-start to --rce-temp-end)."""
+    algo: str = "rce"
+    rce_temp: float = 1.0
 
 
 def weights(rewards: torch.Tensor, k: int, tau: float) -> torch.Tensor:
@@ -42,7 +54,7 @@ def weights(rewards: torch.Tensor, k: int, tau: float) -> torch.Tensor:
     return torch.softmax(r / tau, dim=1).reshape(-1)                 # (N,)
 
 
-def prepare(batch, hp) -> None:
+def prepare(batch, hp: RCEParams) -> None:
     """batch.advantages (N,) <- the weights w_i of this step's tau (hp.rce_temp). They are
     stored where GRPO's advantages go because the update reads them there; they are not
     advantages (never negative, a sum of 1 per prompt)."""
@@ -50,14 +62,15 @@ def prepare(batch, hp) -> None:
     batch.advantages = weights(batch.rewards, hp.k, hp.rce_temp).to(mask.device)   # (N,)
 
 
-def loss(logp, entropy, rows, prompts: float) -> tuple[torch.Tensor, dict]:
-    """The mini-batch's share of L from a micro-batch, and its per-token sums for the metrics.
+def loss(logp, entropy, values, rows, mb, hp: RCEParams) -> tuple[torch.Tensor, dict]:
+    """The mini-batch's share of L from one micro-batch, and its per-token sums for the metrics.
 
-    logp, entropy: (n, C); rows: rollout.Rows (mask, advantages = w); prompts: G,
-    the prompts of the whole mini-batch (its sequences / K), so micro-batch losses add up."""
+    logp, entropy: (n, C); values: None; rows: rollout.Rows (mask, advantages = w); mb:
+    update.MiniBatch, whose sequences / K are G, the prompts of the whole mini-batch (so the
+    micro-batch losses add up)."""
     m = rows.mask.to(logp.dtype)                                     # (n, C)
     seq_logp = (logp * m).sum(1)                                     # log p(y_i | x), (n,)
     # L = -(1/G) sum_i w_i log p(y_i | x)
-    value = -(rows.advantages * seq_logp).sum() / prompts
+    value = -(rows.advantages * seq_logp).sum() / (mb.seqs / hp.k)
     # nll: the per-token NLL of the sampled candidates, unweighted (a metric)
     return value, dict(entropy=(entropy.detach() * m).sum().item(), nll=-(logp.detach() * m).sum().item())

@@ -44,6 +44,8 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
+import update
+
 from running import checkpoint
 from running import config
 from running import distributed
@@ -95,6 +97,9 @@ def load(cfg: Config, task, device: str, log):
 
 # ---- one step ----
 
+# Each algorithm: how rewards become advantages, and the loss update.py's loop differentiates.
+ALGOS = {"grpo": (grpo.prepare, grpo.loss), "ppo": (ppo.prepare, ppo.loss), "rce": (rce.prepare, rce.loss)}
+
 @dataclass
 class Learner:
     """What one RL step works on."""
@@ -138,16 +143,13 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
     if distributed.any_rank(batch is None):
         raise rollout.NonFiniteLogits("non-finite logits while sampling (on this rank or another)")
     finite = not distributed.any_rank(not torch.isfinite(batch.rewards).all())
-    if not finite:
+    prepare, loss = ALGOS[hp.algo]
+    if finite:
+        prepare(batch, hp)                    # advantages: (N,) GRPO, (N, C) PPO; RCE's weights
+    else:
         # A reward function returned NaN/inf: no update this step, and the bad values are
         # never averaged into any metric.
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
-    elif hp.algo == "grpo":
-        grpo.prepare(batch, hp)                                          # advantages (N,)
-    elif hp.algo == "rce":
-        rce.prepare(batch, hp)                                           # weights w (N,), in advantages
-    else:
-        ppo.prepare(batch, hp)                                           # advantages, returns (N, C)
     row = dict(report.rollout_metrics(batch, outcomes, learner.task, hp), **extra)
     stats = report.no_update() if finite else report.no_update("reward")
 
@@ -158,10 +160,7 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
     all_fallback = hp.skip_all_fallback and row.get("fallback_rate") == 1.0     # the whole batch's
     if finite and not no_signal and not all_fallback:
         with learner.autocast():
-            if hp.algo in ("grpo", "rce"):           # RCE: the same loop, its own loss (rce.py)
-                stats = grpo.update(learner.scorer, learner.optimizer, batch, hp)
-            else:
-                stats = ppo.update(learner.scorer, learner.optimizer, batch, hp)
+            stats = update.update(learner.scorer, learner.optimizer, batch, hp, loss)
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")
@@ -348,9 +347,9 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
     for group in run.learner.optimizer.param_groups:        # the critic's at --critic-lr / --lr of it
         group["lr"] = lr * group.get("lr_scale", 1.0)
     end = cfg.entropy_coef if cfg.entropy_coef_end < 0 else cfg.entropy_coef_end
+    tau = {"rce_temp": schedules.linear(step, cfg.steps, cfg.rce_temp_start, cfg.rce_temp_end)} if cfg.algo == "rce" else {}
     return dataclasses.replace(run.hp, beta=run.kl_control.beta, seed=cfg.seed * 100003 + step,
-                               entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end),
-                               rce_temp=schedules.linear(step, cfg.steps, cfg.rce_temp_start, cfg.rce_temp_end))
+                               entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end), **tau)
 
 
 def held_out(run: Run, row: dict) -> None:

@@ -91,6 +91,7 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
     import grpo
     import logprobs
     import rollout
+    import update
     import tasks
     model, tok = build(cfg, model_name)
     model.to(device)
@@ -133,7 +134,7 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
         spent["reward"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         with amp():
-            grpo.update(logprobs.Scorer(model), opt, batch, dataclasses.replace(hp, seed=step))
+            update.update(logprobs.Scorer(model), opt, batch, dataclasses.replace(hp, seed=step), grpo.loss)
         if device == "cuda":
             torch.cuda.synchronize()
         total = time.perf_counter() - t0

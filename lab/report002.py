@@ -10,6 +10,7 @@ import torch
 import advantages
 import grpo
 import logprobs
+import update
 from running import plots
 from models import policy
 import rewards
@@ -40,7 +41,8 @@ def gradient_variance(n_samples: int, repeats: int, micro: int) -> tuple[float, 
         flat = {}
         for mb in (len(texts) * k, micro):
             opt = torch.optim.SGD(model.parameters(), lr=0.0)         # lr 0: the weights stay put
-            grpo.update(logprobs.Scorer(model), opt, batch, grpo.HyperParams(mini_batch=len(texts) * k, micro_batch=mb, seed=rep))
+            update.update(logprobs.Scorer(model), opt, batch,
+                          grpo.HyperParams(mini_batch=len(texts) * k, micro_batch=mb, seed=rep), grpo.loss)
             flat[mb] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         gap = max(gap, ((flat[micro] - flat[len(texts) * k]).abs().max() / flat[len(texts) * k].abs().max()).item())
         grads.append(flat[len(texts) * k])

@@ -25,6 +25,8 @@ from running import checkpoint
 from running import distributed
 import grpo
 import kl
+import ppo
+import rce
 from models import pretrained
 from running import schedules
 import tasks
@@ -32,6 +34,11 @@ import tasks
 
 def opt(default, help, **kw):
     return field(default=default, metadata=dict(help=help, **kw))
+
+
+# The update's defaults are written once, in the lessons' typed objects; the flags below
+# that set them take their defaults from there (GRPO.k, PPO.lam, ...).
+GRPO, PPO = grpo.HyperParams, ppo.PPOParams
 
 
 @dataclass
@@ -55,38 +62,38 @@ class Config:
     rce_temp_start: float = opt(1.7, "RCE: softmax temperature tau of the reward weights at the first step")
     rce_temp_end: float = opt(0.5, "RCE: tau at the last step, linear in between (report 003: 1.7 -> 0.5)")
     # the batch
-    k: int = opt(8, "samples per prompt (K); group norms need K >= 2")
+    k: int = opt(GRPO.k, "samples per prompt (K); group norms need K >= 2")
     batch: int = opt(8, "prompts per step (B); N = B*K sequences per step")
-    norm: str = opt("global", "advantage estimator", choices=advantages.NORMS)
-    unbiased: bool = opt(False, "Bessel-corrected std in the advantage (TRL/verl habit; K=2 -> ±0.71)")
+    norm: str = opt(GRPO.norm, "advantage estimator", choices=advantages.NORMS)
+    unbiased: bool = opt(GRPO.unbiased, "Bessel-corrected std in the advantage (TRL/verl habit; K=2 -> ±0.71)")
     adv_clip: float = opt(0.0, "clamp advantages to [-c, c]; 0 = off")
     # the update
     steps: int = opt(150, "training steps (one batch of rollouts each)")
     lr: float = opt(0.0, "AdamW learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
                     "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)")
-    clip_eps: float = opt(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
+    clip_eps: float = opt(GRPO.clip_low, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
     clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
-    ratio_level: str = opt("token", "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the "
+    ratio_level: str = opt(GRPO.ratio_level, "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the "
                            "geometric mean of its token ratios; its paper clips at --clip-eps 3e-4 "
                            "--clip-eps-high 4e-4)", choices=grpo.RATIO_LEVELS)
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
     min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
-    entropy_coef: float = opt(0.0, "entropy bonus weight (at the first step)")
+    entropy_coef: float = opt(GRPO.entropy_coef, "entropy bonus weight (at the first step)")
     entropy_coef_end: float = opt(-1.0, "entropy bonus at the last step, linear in between; -1 = no decay")
-    loss_agg: str = opt("token-mean", "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
-    epochs: int = opt(1, "passes over each batch")
+    loss_agg: str = opt(GRPO.loss_agg, "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
+    epochs: int = opt(GRPO.epochs, "passes over each batch")
     mini_batch: int = opt(0, "sequences per optimizer step (over all ranks under torchrun); 0 = all N "
                              "(one step per epoch)")
     micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation), per rank under "
                               "torchrun; 0 = the whole mini-batch (this rank's share of it)")
-    target_kl: float = opt(0.0, "stop an update's epochs once approx_kl passes this (CleanRL); 0 = off")
+    target_kl: float = opt(GRPO.target_kl, "stop an update's epochs once approx_kl passes this (CleanRL); 0 = off")
     max_grad_norm: float = opt(1.0, "clip the global gradient norm; 0 = off")
-    fast: bool = opt(False, "the fast path: old log-probs from the update's own forward (GRPO, one update "
+    fast: bool = opt(GRPO.fast, "the fast path: old log-probs from the update's own forward (GRPO, one update "
                             "per batch), micro-batches sorted by length and cut to their longest sequence")
     compile: bool = opt(False, "CUDA: generate with a static KV cache that torch.compile specialises on")
     # KL to the reference (kl.py)
-    beta: float = opt(0.0, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
+    beta: float = opt(GRPO.beta, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
                       aliases=("--kl-coef",))
     kl_control: str = opt("fixed", "how beta moves: fixed, ratio (report 002), range (report 003) or "
                                    "proportional (Ziegler et al., as TRL/verl/OpenRLHF)", choices=kl.CONTROLS)
@@ -94,7 +101,7 @@ class Config:
     kl_horizon: float = opt(10000.0, "proportional control: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon")
     kl_target_min: float = opt(0.01, "range control: lower beta below this KL")
     kl_target_max: float = opt(0.1, "range control: raise beta above this KL")
-    kl_estimator: str = opt("k3", "per-token KL estimator", choices=kl.ESTIMATORS)
+    kl_estimator: str = opt(GRPO.kl_estimator, "per-token KL estimator", choices=kl.ESTIMATORS)
     kl_in: str = opt("auto", "where the KL goes: loss (GRPO's habit), reward (PPO's); auto = by --algo",
                      choices=("auto", "loss", "reward"))
     # PPO's critic (ppo.py)
@@ -103,17 +110,17 @@ class Config:
                       choices=("shared", "separate"))
     critic_lr: float = opt(0.0, "PPO: the critic's learning rate (value head, and with --critic separate its "
                                 "trunk); 0 = --lr; report 000 used 10x the actor's")
-    vf_coef: float = opt(0.5, "PPO: weight of the value loss")
-    value_clip: float = opt(0.2, "PPO: value-loss clip range around the old values; 0 = unclipped")
-    gamma: float = opt(1.0, "PPO: discount per token")
-    lam: float = opt(0.95, "PPO: GAE lambda")
+    vf_coef: float = opt(PPO.vf_coef, "PPO: weight of the value loss")
+    value_clip: float = opt(PPO.value_clip, "PPO: value-loss clip range around the old values; 0 = unclipped")
+    gamma: float = opt(PPO.gamma, "PPO: discount per token")
+    lam: float = opt(PPO.lam, "PPO: GAE lambda")
     dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: drop groups whose K rewards are all equal "
                                  "and sample more prompts until B groups differ (dynamic_sampling.py)")
     max_sampling_rounds: int = opt(8, "--dynamic-sampling: rounds of B prompts at most per step; at the cap "
                                    "the step trains on the groups it kept")
-    skip_all_fallback: bool = opt(False, "report 001's guard: no update when every sample is fallback text")
+    skip_all_fallback: bool = opt(GRPO.skip_all_fallback, "report 001's guard: no update when every sample is fallback text")
     # sampling
-    temperature: float = opt(1.0, "sampling temperature for rollouts and evaluation")
+    temperature: float = opt(GRPO.temperature, "sampling temperature for rollouts and evaluation")
     max_new_tokens: int = opt(0, "longest completion (tools: each turn); 0 = 24, or 64 for a real model's "
                               "tool turns (a tool call is ~40 of its tokens, 17 of the tiny model's)")
     # evaluation and output
@@ -123,7 +130,7 @@ class Config:
                                "prompts for the answer NLL); 0 = all 32: fewer for a quick look at a real model on a CPU")
     early_stop_patience: int = opt(0, "stop once the held-out reward has not improved for this many "
                                       "evaluations, keeping the best one's checkpoint; 0 = off")
-    seed: int = opt(0, "seed of the RL phase (prompts and sampling)")
+    seed: int = opt(GRPO.seed, "seed of the RL phase (prompts and sampling)")
     out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}, with a "
                        "-2, -3 ... suffix when that one holds a run already")
     overwrite: bool = opt(False, "replace the run already in --out (its logs, summary, curves and checkpoints)")
@@ -178,22 +185,26 @@ class Config:
 # ---- what the lesson code reads: two small objects, every "0 means the default" resolved here ----
 
 def hyper_params(cfg: Config) -> grpo.HyperParams:
-    """The update's and the advantages' settings; train.py replaces beta, entropy_coef and
-    seed each step (kl.py and schedules.py move the first two). Under torchrun the sizes are
-    one rank's: its N/W sequences, its share of each mini-batch."""
+    """The update's and the advantages' settings: grpo.HyperParams, or PPO's and RCE's
+    extensions of it; train.py replaces beta, entropy_coef, seed (and RCE's tau) each step.
+    Under torchrun the sizes are one rank's: its N/W sequences, its share of each mini-batch."""
     mini_batch = (cfg.mini_batch or cfg.n) // distributed.size()
-    return grpo.HyperParams(
+    common = dict(
         mini_batch=mini_batch, micro_batch=cfg.micro_batch or mini_batch, algo=cfg.algo,
         k=cfg.k, norm=cfg.norm, unbiased=cfg.unbiased, adv_clip=cfg.adv_clip or None,
-        kl_in_reward=cfg.kl_in_reward, gamma=cfg.gamma, lam=cfg.lam,
+        kl_in_reward=cfg.kl_in_reward,
         clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, ratio_level=cfg.ratio_level,
-        beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
+        beta=cfg.beta, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
         max_len=new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1),
-        temperature=cfg.temperature, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip,
+        temperature=cfg.temperature,
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
         fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
         seed=cfg.seed)
+    if cfg.algo == "ppo":
+        return ppo.PPOParams(**common, gamma=cfg.gamma, lam=cfg.lam, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
+    if cfg.algo == "rce":
+        return rce.RCEParams(**common, rce_temp=cfg.rce_temp_start)
+    return grpo.HyperParams(**common)
 
 
 def new_tokens(cfg: Config) -> int:

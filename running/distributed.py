@@ -8,13 +8,15 @@ torchrun starts W processes (ranks) and gives each RANK, LOCAL_RANK and WORLD_SI
 environment; `python train.py` sets none of them, and then nothing in this file does anything:
 every helper below is the identity in one process, and no process group is ever made.
 
-How one step is shared out (train.py, grpo.py, ppo.py, advantages.py call the helpers):
+How one step is shared out (train.py and running/ call the helpers below; the lessons call
+only advantages.all_sum and advantages.world_size, torch.distributed's sum and size):
 - Prompts go to ranks whole. Every rank draws the same B prompts (one prompt RNG, one seed)
   and keeps its B/W (`shard`); it samples all K completions of each, with a sampling seed of
   its own for each step (`sampling_seed`). So a prompt's group lives on one rank, and group
   norm, Dr. GRPO, RLOO and no-baseline need no communication at all.
-- Batch statistics are summed over ranks (`all_sum`). global, batch and reinforce++-baseline
-  need the mean and std of the whole batch of N = B*K rewards; on rank r with rows R_r:
+- Batch statistics are summed over ranks (advantages.all_sum). global, batch and
+  reinforce++-baseline need the mean and std of the whole batch of N = B*K rewards; on rank
+  r with rows R_r:
 
       n    = sum_r sum_{i in R_r} w_i                     w_i = 1 (or the sequence's length)
       mean = sum_r sum_{i in R_r} w_i x_i / n             one all-reduce of (n, sum w x)
@@ -24,16 +26,18 @@ How one step is shared out (train.py, grpo.py, ppo.py, advantages.py call the he
   mean is large next to the spread, and the second round costs one scalar. Computing them per
   rank instead would silently change the estimator with the number of GPUs (tests show it).
 - The loss divides by the whole mini-batch's count (its tokens for token-mean, its sequences
-  for the other two aggregations), summed over ranks. DDP averages gradients over the W
-  ranks, so each rank's loss is multiplied by W (verl scales by its data-parallel size):
+  for the other two aggregations), summed over ranks and divided by W (update.MiniBatch).
+  DDP averages gradients over the W ranks, so each rank's loss is W times its share (verl
+  scales by its data-parallel size the same way):
 
-      (1/W) sum_r grad(W * L_r) = grad(sum_r L_r) = grad L,     L_r = sum_{rank r's tokens} loss / T
+      (1/W) sum_r grad(L_r / (T/W)) = grad(sum_r L_r / T) = grad L,   L_r = sum of rank r's token losses
 
-- The update runs under DistributedDataParallel: gradients are all-reduced in the backward of
-  the last micro-batch of each mini-batch only (`accumulating` is DDP's no_sync for the
-  others); every rank holds N/W sequences cut the same way, so all run the same number of
-  backward passes. The gradient norm is the all-reduced gradient's and the loss is summed
-  over ranks before the non-finite check, so every rank skips a step or none does.
+- The update runs under DistributedDataParallel (`replicate`): gradients are all-reduced in
+  the backward of the last micro-batch of each mini-batch only (one line of update.py sets
+  DDP's require_backward_grad_sync, as its no_sync does); every rank holds N/W sequences cut
+  the same way, so all run the same number of backward passes. The gradient norm is the
+  all-reduced gradient's and the loss is summed over ranks before the non-finite check, so
+  every rank skips a step or none does.
 - Metrics: every rank gathers the others' rollout pieces (`gather`) and computes the step's
   metrics on the whole batch, so beta, the monitor and every stop decision move the same way
   on every rank. Held-out evaluation runs on rank 0 alone (the others wait at the next step's
@@ -50,6 +54,8 @@ import os
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+import advantages
 
 
 # ---- who am I ----
@@ -98,13 +104,8 @@ def close() -> None:
 
 # ---- the collectives: the identity in one process ----
 
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over every rank (a new tensor, on x's device)."""
-    if not active():
-        return x
-    y = x.detach().to(_device).clone()
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
-    return y.to(x.device)
+# the lessons' sum over ranks, the one implementation (nccl sums on the GPU, gloo on the CPU)
+all_sum = advantages.all_sum
 
 
 def sum_float(x: float) -> float:
@@ -180,20 +181,13 @@ def sampling_seed(seed: int, step: int) -> int:
 
 def replicate(module: torch.nn.Module) -> torch.nn.Module:
     """module in DDP under torchrun (its weights broadcast from rank 0 now; its gradients
-    all-reduced, averaged, in every backward that `accumulating` does not hold back); the
-    module itself in one process."""
+    all-reduced, averaged, in every backward while its require_backward_grad_sync is True:
+    update.py holds it back on all but a mini-batch's last micro-batch); the module itself in
+    one process."""
     if not active():
         return module
     on_gpu = _device.startswith("cuda")
     return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if on_gpu else None)
-
-
-def accumulating(module, last: bool):
-    """DDP's no_sync for every micro-batch but the last: their gradients add up locally, and
-    the last backward all-reduces the sum once. Forward and backward both go inside it."""
-    if isinstance(module, DistributedDataParallel) and not last:
-        return module.no_sync()
-    return contextlib.nullcontext()
 
 
 def lost_contact(error: BaseException) -> bool:

@@ -1,5 +1,6 @@
-"""What the tests share: the flat top-level modules on the path, a tiny model, a synthetic
-batch of rollouts, and the flags of a run of a few seconds. Test files import the helpers
+"""What the tests share: the lessons (the top-level modules) on the path, the update loop with
+GRPO's or PPO's loss, a tiny model, a synthetic batch of rollouts, and the flags of a run of a
+few seconds. Test files import the helpers
 (`from conftest import tiny_model`); pytest loads this file first."""
 import sys
 from pathlib import Path
@@ -8,9 +9,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-import logprobs  # noqa: E402  (after the path)
+import grpo  # noqa: E402  (after the path)
+import logprobs  # noqa: E402
+import ppo  # noqa: E402
+import update  # noqa: E402
 from models import policy  # noqa: E402
 from rollout import Rollout, completion_mask  # noqa: E402
+
+
+def grpo_update(scorer, optimizer, batch, hp):
+    """update.py's loop with GRPO's loss (train.py picks it by --algo)."""
+    return update.update(scorer, optimizer, batch, hp, grpo.loss)
+
+
+def ppo_update(scorer, optimizer, batch, hp):
+    """update.py's loop with PPO's loss."""
+    return update.update(scorer, optimizer, batch, hp, ppo.loss)
 
 
 def tiny_model(seed: int = 0):

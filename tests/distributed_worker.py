@@ -23,6 +23,7 @@ from running import distributed  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import ppo  # noqa: E402
+import update  # noqa: E402
 from running import report  # noqa: E402
 from tasks import workflow_task  # noqa: E402
 from rollout import completion_mask  # noqa: E402
@@ -58,9 +59,11 @@ def take(batch, rows: slice):
 
 
 def hyper(algo: str, agg: str, ranks: int) -> grpo.HyperParams:
-    """Each rank's settings: its half of the mini-batch, two micro-batches of it (no_sync once)."""
-    return grpo.HyperParams(mini_batch=N // ranks, micro_batch=N // ranks // 2, algo=algo, k=K,
-                            beta=0.1, entropy_coef=0.01, loss_agg=agg, max_len=6, kl_in_reward=algo == "ppo")
+    """Each rank's settings: its half of the mini-batch, two micro-batches of it (the gradient
+    sync held back once)."""
+    params = ppo.PPOParams if algo == "ppo" else grpo.HyperParams
+    return params(mini_batch=N // ranks, micro_batch=N // ranks // 2, algo=algo, k=K,
+                  beta=0.1, entropy_coef=0.01, loss_agg=agg, max_len=6, kl_in_reward=algo == "ppo")
 
 
 def gradient(batch, hp: grpo.HyperParams) -> tuple[torch.Tensor, dict]:
@@ -74,9 +77,7 @@ def gradient(batch, hp: grpo.HyperParams) -> tuple[torch.Tensor, dict]:
     opt = torch.optim.SGD(scorer.parameters(), lr=0.0)
     if hp.algo == "ppo":
         ppo.prepare(batch, hp)
-        stats = ppo.update(scorer, opt, batch, hp)
-    else:
-        stats = grpo.update(scorer, opt, batch, hp)
+    stats = update.update(scorer, opt, batch, hp, ppo.loss if hp.algo == "ppo" else grpo.loss)
     return torch.cat([p.grad.flatten() for p in scorer.parameters()]), stats
 
 
@@ -85,14 +86,15 @@ def compute(batch, classes: list, ranks: int) -> dict:
     lengths = batch.completion_mask.sum(1)
     out = {"adv": {}, "adv_per_rank": {}, "grad": {}, "stats": {}}
     for norm in advantages.NORMS:
-        out["adv"][norm] = advantages.compute(batch.rewards, K, norm, lengths=lengths, allsum=distributed.all_sum)
-        out["adv_per_rank"][norm] = advantages.compute(batch.rewards, K, norm, lengths=lengths)
-    out["whitened"] = advantages.whiten(batch.advantages, batch.completion_mask, allsum=distributed.all_sum)
+        out["adv"][norm] = advantages.compute(batch.rewards, K, norm, lengths=lengths)
+        with mock.patch.object(advantages, "all_sum", lambda x: x):       # the bug: this rank's statistics
+            out["adv_per_rank"][norm] = advantages.compute(batch.rewards, K, norm, lengths=lengths)
+    out["whitened"] = advantages.whiten(batch.advantages, batch.completion_mask)
     batch.advantages = out["adv"]["global"].clone()
     for agg in grpo.AGGREGATIONS:
         out["grad"][agg], out["stats"][agg] = gradient(batch, hyper("grpo", agg, ranks))
     # the bug: each rank's token mean, DDP's average of them (no sums over ranks, no W scale)
-    with mock.patch.object(distributed, "all_sum", lambda x: x), mock.patch.object(distributed, "size", lambda: 1):
+    with mock.patch.object(update, "all_sum", lambda x: x), mock.patch.object(update, "world_size", lambda: 1):
         out["grad_per_rank_counts"], _ = gradient(batch, hyper("grpo", "token-mean", ranks))
     out["grad"]["ppo"], out["stats"]["ppo"] = gradient(batch, hyper("ppo", "token-mean", ranks))
     batch.advantages = out["adv"]["group"].clone()

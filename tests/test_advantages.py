@@ -36,14 +36,15 @@ def test_k2_with_bessel_correction_gives_plus_minus_one_over_root_two():
         assert torch.allclose(a.abs(), torch.full((2,), 1 / math.sqrt(2)))
 
 
-def test_the_field_std_plus_eps_convention_shrinks_small_gaps_ours_does_not():
+def test_the_field_std_plus_eps_convention_shrinks_small_gaps_ours_does_not(monkeypatch):
     # TRL: A = (r - mean) / (std + 1e-4). For a K=2 gap of 1e-3: 5e-4 / (5e-4 + 1e-4) = 0.83.
     pair = torch.tensor([0.201, 0.2], dtype=torch.float64)
     centred = pair - pair.mean()
     trl_style = centred / (pair.std(correction=0) + 1e-4)
     assert trl_style[0].item() == pytest.approx(0.0005 / 0.0006, rel=1e-6)
-    # Ours divides by max(std, eps): the eps only guards zero-variance groups.
-    assert adv.compute(pair, k=2, norm="group", eps=1e-4)[0].item() == 1.0
+    # Ours divides by max(std, eps): the eps only guards zero-variance groups, even at TRL's 1e-4.
+    monkeypatch.setattr(adv, "EPS", 1e-4)
+    assert adv.compute(pair, k=2, norm="group")[0].item() == 1.0
 
 
 def test_report_001_step4_worked_example_under_every_norm():

@@ -10,7 +10,7 @@ import torch
 
 from running import checkpoint
 from running import config
-import grpo
+import update
 import logprobs
 import ppo
 import train
@@ -52,13 +52,13 @@ def test_each_parameter_group_is_clipped_on_its_own_by_hand():
     policy, critic = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([{"params": [policy]}, {"params": [critic], "lr": 10.0}], lr=1.0)
     policy.grad, critic.grad = torch.tensor([0.3, 0.4]), torch.tensor([60.0, 80.0])     # norms 0.5, 100
-    norm, nonfinite = grpo.optimizer_step(opt, 1.0, loss=1.0)
+    norm, nonfinite = update.optimizer_step(opt, 1.0, loss=1.0)
     assert norm == pytest.approx(0.5) and nonfinite == []
     assert policy.tolist() == pytest.approx([-0.3, -0.4]), "the critic's norm does not shrink the policy's step"
     assert critic.tolist() == pytest.approx([-6.0, -8.0]), "clipped to norm 1, then lr 10"
     critic.grad, policy.grad = torch.tensor([math.inf, 0.0]), torch.tensor([0.3, 0.4])
     before = policy.detach().clone()
-    _, nonfinite = grpo.optimizer_step(opt, 1.0, loss=1.0)
+    _, nonfinite = update.optimizer_step(opt, 1.0, loss=1.0)
     assert nonfinite == ["critic_grad_norm"] and torch.equal(policy.detach(), before)
 
 

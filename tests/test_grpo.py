@@ -1,4 +1,4 @@
-"""grpo.py against references: hand arithmetic, the full-batch gradient, CleanRL's shuffle."""
+"""grpo.py and update.py's loop against references: hand arithmetic, the full-batch gradient, CleanRL's shuffle."""
 import math
 
 import pytest
@@ -7,7 +7,8 @@ from transformers import Qwen2ForCausalLM
 
 import grpo
 import logprobs
-from conftest import synthetic_batch, tiny_model
+import update
+from conftest import grpo_update, synthetic_batch, tiny_model
 from grpo import HyperParams
 from rollout import completion_mask
 
@@ -50,7 +51,7 @@ def test_micro_batched_gradient_equals_full_batch_gradient(agg):
         model = tiny_model()
         batch = synthetic_batch(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)          # lr 0: keep the weights
-        grpo.update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=micro, beta=0.1,
+        grpo_update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=micro, beta=0.1,
                                                    entropy_coef=0.01, loss_agg=agg, max_len=6))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
@@ -63,7 +64,7 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_unchanged():
     batch.advantages[0] = float("nan")
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats = grpo.update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6,
+    stats = grpo_update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6,
                                                        max_grad_norm=1.0))
     assert stats["skipped_nonfinite"] == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -85,13 +86,13 @@ def test_mini_batches_are_shuffled_every_epoch_even_with_one_epoch():
     hp = HyperParams(mini_batch=2, micro_batch=1)
     gen = torch.Generator().manual_seed(7)
     seen = [[mb.micro_batches[0].item(), mb.micro_batches[1].item()]
-            for _ in range(2) for mb in grpo.minibatches(batch, hp, gen)]
+            for _ in range(2) for mb in update.minibatches(batch, hp, gen)]
     # the reference (CleanRL): a fresh permutation of the N rows per epoch, cut into mini-batches
     ref = torch.Generator().manual_seed(7)
     expected = [perm[i:i + 2].tolist() for perm in (torch.randperm(8, generator=ref) for _ in range(2))
                 for i in range(0, 8, 2)]
     assert seen == expected and seen[:4] != [[0, 1], [2, 3], [4, 5], [6, 7]]   # one epoch shuffles too
-    one = list(grpo.minibatches(batch, HyperParams(mini_batch=8, micro_batch=8), gen))
+    one = list(update.minibatches(batch, HyperParams(mini_batch=8, micro_batch=8), gen))
     assert len(one) == 1 and one[0].micro_batches[0].tolist() == list(range(8))   # one: no order
     assert one[0].seqs == 8 and one[0].tokens == int(batch.completion_mask.sum())
 
@@ -103,15 +104,14 @@ def test_grad_norm_is_the_mean_over_mini_batches_and_steps_taken_counts_applied_
     for nan_row, steps in ((0, 3), (None, 4)):
         w = torch.zeros(4, requires_grad=True)
         opt = torch.optim.SGD([w], lr=0.0)
-        stats, norms = grpo.UpdateStats(), []
+        stats, norms = update.UpdateStats(), []
         stats.new_epoch()
         for idx in torch.arange(8).view(4, 2):
             opt.zero_grad()
             loss = (scales[idx].sum() * w).sum() * (float("nan") if nan_row in idx.tolist() else 1.0)
             loss.backward()
-            stats.add(loss.item(), {"approx_kl": 0.0})
-            loss = stats.whole_minibatch_loss()
-            stats.stepped(loss, 3, *grpo.optimizer_step(opt, math.inf, loss))
+            stats.add(loss.item(), {"approx_kl": 0.0}, torch.ones(3))
+            stats.stepped(*update.optimizer_step(opt, math.inf, stats.whole_minibatch_loss()))
             norms.append(2 * scales[idx].sum().item())
         result = stats.result()
         assert result["steps_taken"] == steps and result["skipped_nonfinite"] == 4 - steps
@@ -138,7 +138,7 @@ def first_epoch_ratio_stats(model):
     with torch.no_grad():
         batch.old_logp, _ = logprobs.completion_logprobs(model, batch.tokens())
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    return grpo.update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6))
+    return grpo_update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6))
 
 
 def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():

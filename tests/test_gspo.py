@@ -12,7 +12,7 @@ from running import config
 import grpo
 import logprobs
 import train
-from conftest import quick, synthetic_batch, tiny_model
+from conftest import grpo_update, quick, synthetic_batch, tiny_model
 
 
 def test_the_sequence_ratio_is_the_geometric_mean_of_its_token_ratios_by_hand():
@@ -120,7 +120,7 @@ def updated_weights(level: str, batch_old_logp: str):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hp = grpo.HyperParams(mini_batch=8, micro_batch=8, ratio_level=level, loss_agg="seq-mean-token-mean",
                           clip_low=3e-4, clip_high=4e-4)
-    stats = grpo.update(logprobs.Scorer(model), opt, batch, hp)
+    stats = grpo_update(logprobs.Scorer(model), opt, batch, hp)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
 

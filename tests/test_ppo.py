@@ -9,8 +9,8 @@ from running import config
 import logprobs
 import ppo
 import train
-from conftest import synthetic_batch, tiny_model
-from grpo import HyperParams
+from conftest import ppo_update, synthetic_batch, tiny_model
+from ppo import PPOParams
 
 
 def test_clipped_value_loss_against_hand_arithmetic():
@@ -78,7 +78,7 @@ def test_prepare_with_gamma_lambda_one_targets_the_outcome_reward():
     batch.ref_logp = None
     batch.rewards = torch.tensor([1.0, 0.2, 0.0, 1.0, 0.0, 0.2, 1.0, 0.0])
     batch.old_values = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
-    ppo.prepare(batch, HyperParams(mini_batch=8, micro_batch=8, kl_in_reward=True, gamma=1.0, lam=1.0))
+    ppo.prepare(batch, PPOParams(mini_batch=8, micro_batch=8, kl_in_reward=True, gamma=1.0, lam=1.0))
     m = batch.completion_mask.bool()
     torch.testing.assert_close(batch.returns[m], batch.rewards[:, None].expand(8, 6)[m])
     a = batch.advantages[m]
@@ -92,11 +92,11 @@ def run_update(micro, epochs=1, target_kl=0.0):
     batch = synthetic_batch(model)
     batch.rewards = torch.tensor([1.0, 0.2, 0.0, 1.0, 0.0, 0.2, 1.0, 0.0])
     batch.old_values = torch.zeros(8, 6)
-    hp = HyperParams(mini_batch=8, micro_batch=micro, algo="ppo", kl_in_reward=True, beta=0.1,
-                     entropy_coef=0.01, max_len=6, epochs=epochs, target_kl=target_kl)
+    hp = PPOParams(mini_batch=8, micro_batch=micro, kl_in_reward=True, beta=0.1,
+                   entropy_coef=0.01, max_len=6, epochs=epochs, target_kl=target_kl)
     ppo.prepare(batch, hp)
     opt = torch.optim.SGD(list(model.parameters()) + list(head.parameters()), lr=0.0)
-    stats = ppo.update(logprobs.Scorer(model, head), opt, batch, hp)
+    stats = ppo_update(logprobs.Scorer(model, head), opt, batch, hp)
     grads = torch.cat([p.grad.flatten() for p in list(model.parameters()) + list(head.parameters())])
     return stats, grads
 

@@ -4,7 +4,6 @@ loop, and every checkpoint against the baseline."""
 import itertools
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ import torch
 from lab import compare
 from running import config
 from running import evaluate
-import grpo
 import logprobs
 from models import policy
 import rce
@@ -21,6 +19,7 @@ import rollout
 import tool_env
 from tasks import tool_task
 import train
+import update
 from tasks import workflow_task
 from conftest import quick, synthetic_batch, tiny_model
 
@@ -47,12 +46,17 @@ def rows_of(logp, mask, w):
                         returns=None)
 
 
+def rce_loss(logp, rows, prompts: int, k: int = 2):
+    """rce.loss for a mini-batch of `prompts` prompts of K samples (its sequences: prompts * K)."""
+    return rce.loss(logp, torch.zeros_like(logp), None, rows, update.MiniBatch([], prompts * k, 0), rce.RCEParams(1, 1, k=k))
+
+
 def test_loss_and_its_gradient_against_hand_arithmetic():
     logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -0.3, 0.0], [-1.5, 0.0, 0.0], [-0.2, -0.2, -0.2]],
                         requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
     w = torch.tensor([0.7, 0.3, 0.1, 0.9])                               # two prompts of K = 2
-    value, sums = rce.loss(logp, torch.zeros_like(logp), rows_of(logp, mask, w), prompts=2)
+    value, sums = rce_loss(logp, rows_of(logp, mask, w), prompts=2)
     by_hand = -(0.7 * -3.5 + 0.3 * -0.4 + 0.1 * -1.5 + 0.9 * -0.6) / 2
     assert value.item() == pytest.approx(by_hand)
     assert sums["nll"] == pytest.approx(3.5 + 0.4 + 1.5 + 0.6)
@@ -67,7 +71,7 @@ def test_at_small_tau_rce_is_the_cross_entropy_of_the_best_candidate():
     r = torch.tensor([0.0, 1.0, 0.2, 0.0, 0.0, 0.2, 0.0, 1.0])           # K = 4: bests are rows 1 and 7
     w = rce.weights(r, 4, tau=1e-4)
     logp, _ = logprobs.completion_logprobs(model, batch.tokens())
-    value, _ = rce.loss(logp, torch.zeros_like(logp), rows_of(logp, batch.completion_mask, w), prompts=2)
+    value, _ = rce_loss(logp, rows_of(logp, batch.completion_mask, w), prompts=2, k=4)
     m = batch.completion_mask
     ce_best = -((logp[1] * m[1]).sum() + (logp[7] * m[7]).sum()) / 2
     assert value.item() == pytest.approx(ce_best.item(), rel=1e-5)
@@ -77,15 +81,15 @@ def test_an_rce_update_is_one_sgd_step_on_the_loss():
     model = tiny_model()
     batch = synthetic_batch(model, n=8)
     batch.rewards = torch.tensor([0.0, 1.0, 0.2, 0.0, 0.0, 0.2, 0.0, 1.0])
-    hp = grpo.HyperParams(mini_batch=8, micro_batch=4, algo="rce", k=4, rce_temp=0.5)
+    hp = rce.RCEParams(mini_batch=8, micro_batch=4, k=4, rce_temp=0.5)
     rce.prepare(batch, hp)
     ref = tiny_model()
     ref.load_state_dict(model.state_dict())
     logp, _ = logprobs.completion_logprobs(ref, batch.tokens())
-    value, _ = rce.loss(logp, torch.zeros_like(logp), rows_of(logp, batch.completion_mask, batch.advantages), 2)
+    value, _ = rce_loss(logp, rows_of(logp, batch.completion_mask, batch.advantages), prompts=2, k=4)
     value.backward()
     expected = {n: p - 0.1 * p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    stats = grpo.update(logprobs.Scorer(model), torch.optim.SGD(model.parameters(), lr=0.1), batch, hp)
+    stats = update.update(logprobs.Scorer(model), torch.optim.SGD(model.parameters(), lr=0.1), batch, hp, rce.loss)
     assert stats["loss"] == pytest.approx(value.item(), rel=1e-5)
     got = dict(model.named_parameters())
     assert all(torch.allclose(got[n], p, atol=1e-6) for n, p in expected.items())

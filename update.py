@@ -1,0 +1,161 @@
+"""One update loop for GRPO, PPO and RCE: epochs, shuffled mini-batches, micro-batches, a step.
+
+What changes between the three algorithms is the loss of one micro-batch, a few lines each
+(train.py picks one by --algo and hands it to `update`):
+
+    grpo.loss   -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * kl - c * H
+    ppo.loss    grpo's terms + vf_coef * 1/2 max((V - G)^2, (V_clip - G)^2)      (A per token, GAE)
+    rce.loss    -(1/G) sum_i w_i log p(y_i | x)                                  (no ratio, no clip)
+
+The loop (CleanRL's shape):
+
+    for each epoch, for each shuffled mini-batch:       one optimizer step
+        for each micro-batch:                           one forward and backward
+            logp, entropy, values = scorer(rows)        the policy now (logprobs.Scorer), (n, C)
+            loss = loss_fn(...)                         the mini-batch's share, from this micro-batch
+            loss.backward()                             gradients add up over micro-batches
+        optimizer_step(...)                             clip the norm, skip a NaN/inf step
+
+Gradient accumulation is exact: every loss divides by the whole mini-batch's count (its
+tokens or sequences: `MiniBatch`), not the micro-batch's, so the micro-batch losses add up to
+the mini-batch loss and their gradients to its gradient.
+
+Under torchrun (W processes, DistributedDataParallel around the scorer) the same loop runs on
+every rank over its share of the batch. Two things differ, both written below: the
+mini-batch's counts are summed over ranks and divided by W (so each rank's loss is W times its
+share, and DDP's mean of the W gradients is their sum: the one-process gradient), and DDP
+all-reduces the gradients only in the last micro-batch's backward (one line, nanoGPT's). In
+one process W = 1 and both do nothing.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from advantages import all_sum, world_size
+
+
+@dataclass
+class MiniBatch:
+    """The sequences of one optimizer step, cut into micro-batches (one forward each)."""
+    micro_batches: list       # index tensors into the batch
+    seqs: float               # the loss's denominators: the whole mini-batch's sequences and
+    tokens: float             # policy tokens (summed over ranks), divided by the W ranks
+
+
+def minibatches(batch, hp, gen: torch.Generator):
+    """One epoch's mini-batches. Sequences are shuffled across mini-batches every epoch
+    (CleanRL), so the K samples of a prompt do not always share a step; one mini-batch
+    needs no order. hp.fast: each mini-batch is sorted by length before it is cut, so
+    sequences of similar length share a forward and little of it is padding."""
+    n = len(batch.completion_mask)
+    order = torch.randperm(n, generator=gen) if hp.mini_batch < n else torch.arange(n)
+    lengths = batch.attention().sum(1) if hp.fast else None                      # (N,)
+    for start in range(0, n, hp.mini_batch):
+        mb = order[start:start + hp.mini_batch]
+        if lengths is not None:
+            mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
+        seqs, tokens = all_sum(torch.tensor([len(mb), int(batch.completion_mask[mb].sum())])).tolist()
+        yield MiniBatch([mb[i:i + hp.micro_batch] for i in range(0, len(mb), hp.micro_batch)],
+                        seqs / world_size(), max(tokens, 1) / world_size())
+
+
+def optimizer_step(optimizer, max_grad_norm: float, loss: float) -> tuple[float, list]:
+    """Clip the gradient norm of each parameter group (the policy's; PPO's critic's, at its
+    own lr, is clipped on its own) and step, unless the loss or a norm is NaN/inf: then the
+    step is skipped, weights and optimizer state untouched. Returns (the first group's norm
+    before clipping, the names of the non-finite quantities)."""
+    norms = [torch.nn.utils.clip_grad_norm_(g["params"], max_grad_norm).item() for g in optimizer.param_groups]
+    nonfinite = [name for name, v in (("loss", loss), ("grad_norm", norms[0])) if not math.isfinite(v)]
+    nonfinite += ["critic_grad_norm"] * any(not math.isfinite(v) for v in norms[1:])
+    if nonfinite:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return norms[0], nonfinite
+
+
+class UpdateStats:
+    """What an update reports: token means of the last epoch's per-token sums, the mean loss
+    and gradient norm over its mini-batches, and counts over every epoch. Under torchrun the
+    sums are every rank's, so the metrics and target-KL's early stop agree on every rank."""
+
+    def __init__(self):
+        self.steps_taken, self.skipped, self.nonfinite, self.epochs_run = 0, 0, [], 0
+        self.minibatch_loss = 0.0
+
+    def new_epoch(self) -> None:
+        self.sums, self.losses, self.norms = {"tokens": 0.0}, [], []
+        self.epochs_run += 1
+
+    def add(self, loss: float, sums: dict, mask: torch.Tensor) -> None:
+        """One micro-batch: its loss, its per-token sums, and its policy tokens (mask)."""
+        self.minibatch_loss += loss
+        for key, v in dict(sums, tokens=mask.sum().item()).items():
+            self.sums[key] = self.sums.get(key, 0.0) + v
+
+    def stepped(self, grad_norm: float, nonfinite: list) -> None:
+        """One mini-batch, after optimizer_step."""
+        self.losses.append(self.minibatch_loss)
+        self.norms.append(grad_norm)
+        self.minibatch_loss = 0.0
+        self.steps_taken += not nonfinite
+        if nonfinite:
+            self.skipped, self.nonfinite = self.skipped + 1, nonfinite
+
+    def whole_minibatch_loss(self) -> float:
+        """The mini-batch's loss: every rank's W x share summed, over W (torchrun); in one
+        process, the sum of its micro-batches' losses."""
+        self.minibatch_loss = all_sum(torch.tensor([self.minibatch_loss], dtype=torch.float64)).item() / world_size()
+        return self.minibatch_loss
+
+    def end_epoch(self) -> None:
+        keys = sorted(self.sums)
+        totals = all_sum(torch.tensor([self.sums[key] for key in keys], dtype=torch.float64))
+        self.sums = dict(zip(keys, totals.tolist()))
+
+    def mean(self, key: str) -> float:
+        return self.sums.get(key, 0.0) / max(self.sums["tokens"], 1)
+
+    def result(self) -> dict:
+        return dict({key: self.mean(key) for key in self.sums if key != "tokens"},
+                    loss=sum(self.losses) / len(self.losses), grad_norm=sum(self.norms) / len(self.norms),
+                    steps_taken=self.steps_taken, skipped_nonfinite=self.skipped, nonfinite=self.nonfinite,
+                    epochs_run=self.epochs_run)
+
+
+# ---- the loop ----
+
+def update(scorer, optimizer, batch, hp, loss_fn) -> dict:
+    """hp.epochs passes over shuffled mini-batches of the batch (its advantages filled by the
+    algorithm's `prepare`), one optimizer step each, its gradient accumulated over micro-batches.
+
+    scorer: logprobs.Scorer(policy, critic), in DDP under torchrun. loss_fn: grpo.loss,
+    ppo.loss or rce.loss, (logp, entropy, values, rows, mb, hp) -> (loss, per-token sums for
+    the metrics). Early stop (CleanRL): no further epoch once an epoch's approx_kl passes
+    hp.target_kl (> 0). Returns the last epoch's token means (entropy, clip_frac, approx_kl,
+    ref_kl with a reference, value_loss with a critic), loss and grad_norm (means over its
+    mini-batches; the norm before clipping), steps_taken, epochs_run, and the guard's
+    skipped_nonfinite / nonfinite.
+    """
+    scorer.train()
+    gen = torch.Generator().manual_seed(hp.seed)
+    stats = UpdateStats()
+    for _ in range(hp.epochs):
+        stats.new_epoch()
+        for mb in minibatches(batch, hp, gen):
+            optimizer.zero_grad(set_to_none=True)
+            for i, idx in enumerate(mb.micro_batches):
+                rows = batch.rows(idx, trim=hp.fast)                                  # (n, C) each
+                # DDP: all-reduce the gradients in the last micro-batch's backward only (nanoGPT)
+                scorer.require_backward_grad_sync = i == len(mb.micro_batches) - 1
+                logp, entropy, values = scorer(rows.tokens, hp.temperature, hp.entropy_coef > 0)   # (n, C)
+                loss, sums = loss_fn(logp, entropy, values, rows, mb, hp)
+                loss.backward()
+                stats.add(loss.item(), sums, rows.mask)
+            grad_norm, nonfinite = optimizer_step(optimizer, hp.max_grad_norm, stats.whole_minibatch_loss())
+            stats.stepped(grad_norm, nonfinite)
+        stats.end_epoch()
+        if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
+            break
+    return stats.result()
