@@ -46,6 +46,7 @@ import torch
 import transformers
 
 from running import checkpoint
+from running import session
 from running import config
 from running import evaluate
 from running import plots
@@ -315,7 +316,7 @@ def evaluate_checkpoints(runs: list, samples: int, kept_only: bool = False, log=
     transformers.utils.logging.disable_progress_bar()                       # one bar per checkpoint load
     cfg = dataclasses.replace(run_config(runs[0]), init_from="", device="cpu")
     task = tasks.TASKS[cfg.task]
-    model, tok = train.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
+    model, tok = session.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
     models, sampling, prompts = rollout.Models(model, tok), config.sampling(cfg), \
         task.prompts("eval", cfg.difficulty)
     out = {"baseline": evaluate.by_group(models, task, prompts, sampling, samples, CHECKPOINT_SEED), "runs": {}}

@@ -169,7 +169,7 @@ def summary_keys(task) -> set:
 
 def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
     """Write summary.json and curves.png; log the one-line summary; return the summary.
-    state: train.RunState at the end (its seconds: the run's whole wall time, over every
+    state: bookkeeping.RunState at the end (its seconds: the run's whole wall time, over every
     resume; its stopped / interrupted: why it ended early, or None)."""
     first, last = state.first_eval, state.last_eval
     updates = state.updates

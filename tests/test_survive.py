@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from running import checkpoint
+from running import session
 from running import config
 from running import monitor
 import train
@@ -40,7 +41,7 @@ def weights(ckpt):
 
 def poison_training_forward(monkeypatch, on_calls):
     """Make the logits NaN on the given training-mode forward passes (1-based count)."""
-    real_load = train.load
+    real_load = session.load
     calls = {"n": 0}
 
     def load(*args, **kwargs):
@@ -54,7 +55,7 @@ def poison_training_forward(monkeypatch, on_calls):
             return output
         model.get_output_embeddings().register_forward_hook(hook)     # the LM head
         return model, tok
-    monkeypatch.setattr(train, "load", load)
+    monkeypatch.setattr(session, "load", load)
 
 
 # ---- the non-finite guard ----

@@ -1,0 +1,218 @@
+"""A run's bookkeeping between steps: what it remembers (RunState), and what happens after each
+step's update (end_step): beta moves, the step is counted, the monitor watches, the held-out
+evaluation runs when due, early stopping decides, the logs are written and checkpoints saved.
+
+train.py's loop calls end_step once per step; running/session.py sets a run up and closes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from safetensors import SafetensorError
+
+import logprobs
+import rollout
+from running import checkpoint, distributed, evaluate, monitor, report
+
+if TYPE_CHECKING:
+    from running.session import Run
+
+
+# ---- the run's memory ----
+
+@dataclass
+class RunState:
+    """What the loop remembers from step to step, and a checkpoint keeps besides the weights,
+    the optimizer and the RNGs."""
+    step: int = 0                    # the last step done
+    updates: int = 0                 # steps that took an optimizer step
+    collapses: int = 0               # collapsed_after_update steps
+    crash_floor: float = 0.0         # sum over updates of P(collapse flag | frozen policy)
+    skipped: int = 0                 # non-finite optimizer steps skipped
+    prev_updated: bool = False       # the previous step updated ...
+    prev_on_format: float | None = None   # ... from this on-format rate
+    first_eval: dict | None = None   # eval_* at step 0
+    last_eval: dict | None = None    # eval_* at the newest evaluation
+    failed_saves: int = 0            # checkpoints a full disk refused
+    lost_log_lines: int = 0          # log lines a full disk refused
+    seconds: float = 0.0             # wall time before this session (a resume's earlier ones)
+    stopped: str | None = None       # why the run stopped early
+    interrupted: str | None = None   # the signal that stopped it
+    early_stopped: str | None = None  # why --early-stop-patience ended it (a normal end)
+    best_step: int = 0               # the evaluation with the highest held-out reward so far ...
+    best_reward: float | None = None
+    best_eval: dict | None = None    # ... its eval_*
+    best_checkpoint: str | None = None   # its checkpoint, relative to the run (--early-stop-patience)
+    evals_since_best: int = 0
+    monitor: dict | None = None      # the state dicts of the monitor, the KL controller and
+    kl_control: dict | None = None   # the value head, at the last save
+    value_head: dict | None = None
+
+    @classmethod
+    def from_checkpoint(cls, saved: dict) -> "RunState":
+        saved = dict(saved)
+        if saved.get("prev"):        # checkpoints written before RunState: prev = (updated, rate)
+            saved["prev_updated"], saved["prev_on_format"] = saved["prev"]
+        names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted", "early_stopped"}
+        return cls(**{k: v for k, v in saved.items() if k in names})
+
+    def count(self, step: int, stats: dict, on_format: float | None, n: int) -> bool:
+        """Count one step; return collapsed_after_update: the previous step updated, its
+        on-format rate was > 0, and this step's is at most half of it (report 001)."""
+        updated = stats["steps_taken"] > 0
+        prev_rate = self.prev_on_format if self.prev_updated else None
+        collapsed = bool(prev_rate and on_format is not None and on_format <= prev_rate / 2)
+        if prev_rate is not None and on_format is not None:
+            # the null: how likely that flag was from sampling noise alone (monitor.py)
+            self.crash_floor += monitor.false_collapse_given(prev_rate, n)
+        self.step, self.prev_updated, self.prev_on_format = step, updated, on_format
+        self.updates += updated
+        self.collapses += collapsed
+        self.skipped += stats["skipped_nonfinite"]
+        return collapsed
+
+
+# ---- after each step ----
+
+def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
+    """A step's bookkeeping after its update: move beta, count the step, raise the monitor's
+    alerts (account); evaluate on the held-out prompts when due and keep the best; early
+    stopping; write the metrics and samples; the progress line; a checkpoint when due.
+    sampled: the step's (batch, outcomes, prompts); batch None when nothing could be sampled.
+    True: the run stops here."""
+    batch, outcomes, prompts = sampled
+    cfg, state, task = run.cfg, run.state, run.learner.task
+    step = row["step"]
+    # a signal reaches one rank at a time: every rank stops at the step any of them got one
+    # (the step's last collective; account's other inputs are the same on every rank)
+    state.stopped = account(run, row, stats, distributed.first_reason(run.interrupts.signal))
+    main = distributed.is_main()
+    # a stopped run is evaluated where it stops, so its eval_*_end are its own
+    due = (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None
+    best = False
+    if due and main:
+        held_out(run, row)
+        best = keep_best(run, row)
+    patience = cfg.early_stop_patience
+    early = due and bool(patience) and main and state.evals_since_best >= patience
+    if due and patience:                   # rank 0 evaluated: every rank stops with it
+        early = distributed.any_rank(early)
+    if early and not state.stopped:
+        state.early_stopped = (f"the held-out reward has not risen for {cfg.early_stop_patience} evaluations "
+                               f"(--early-stop-patience); best {state.best_reward:.3f} at step {state.best_step}, "
+                               f"kept in {run.out / (state.best_checkpoint or '?')}")
+        run.log(f"early stop at step {step}: {state.early_stopped}")
+    row["seconds"] = time.time() - run.step_started
+    run.metrics.write(row)
+    if batch is not None:
+        run.samples.write({"step": step, "split": "train", "samples": report.train_samples(
+            batch, outcomes, prompts, task, cfg.log_samples)})
+    if main:
+        report.progress(cfg, task, row, state.last_eval)
+    path = None
+    if best and patience:                  # main only: early stopping keeps the best's weights
+        save_best(run)
+    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main:
+        path = save(run)
+    if state.stopped:
+        saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"
+        run.log(f"stopped at step {step}: {state.stopped}; {saved}")
+    return bool(state.stopped or state.early_stopped)
+
+
+def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
+    """After a step: move beta, count the step (updates, collapses, skips) into the row and
+    the run's state, raise the monitor's alerts; return why the run must stop, or None."""
+    cfg, state, step = run.cfg, run.state, row["step"]
+    if row["kl"] is not None:
+        run.kl_control.update(row["kl"])                  # beta for the next step
+    collapsed = state.count(step, stats, row[run.learner.task.FORMAT_KEY], cfg.n)
+    row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
+    if stats["nonfinite"] == ["logits"]:
+        run.log(f"step {step}: non-finite logits: nothing could be sampled, step skipped "
+                f"({state.skipped} so far, --max-skips {cfg.max_skips})")
+    elif stats["nonfinite"]:
+        run.log(f"step {step}: non-finite {' and '.join(stats['nonfinite'])}: optimizer step "
+                f"skipped, weights untouched ({state.skipped} so far, --max-skips {cfg.max_skips})")
+    row["alerts"], started, messages = run.stability.update(row["reward_mean"], row.get("entropy"), row["kl"])
+    for name, message in zip(started, messages):
+        run.log(f"step {step}: monitor alert {name}: {message}")
+    if state.skipped > cfg.max_skips:
+        return f"{state.skipped} non-finite steps, more than --max-skips {cfg.max_skips}"
+    if cfg.stop_on_alert and started:
+        return f"monitor alert {', '.join(started)} (--stop-on-alert)"
+    if signal:
+        return f"interrupted by {signal}"
+    return None
+
+
+def held_out(run: Run, row: dict) -> None:
+    """Evaluate on the held-out prompts into row and state.last_eval; its samples to samples.jsonl."""
+    cfg, learner = run.cfg, run.learner
+    try:
+        with learner.autocast():
+            run.state.last_eval, rows = evaluate.evaluate(learner.models, learner.task, run.prompts["eval"],
+                                                          learner.sampling, cfg.eval_samples, cfg.gamma)
+    except rollout.NonFiniteLogits:
+        if row["step"] == 0:
+            raise                      # the starting policy itself is broken: nothing to train
+        run.log(f"step {row['step']}: non-finite logits in the held-out evaluation; it is skipped")
+        return
+    # the held-out loss beside the held-out reward (report 003: train loss falls, val loss rises)
+    run.state.last_eval["eval_answer_nll"] = evaluate.answer_nll(learner.models, learner.task, run.prompts["eval"])
+    run.state.last_eval["train_answer_nll"] = evaluate.answer_nll(learner.models, learner.task, run.prompts["nll"])
+    row.update(run.state.last_eval)
+    run.samples.write({"step": row["step"], "split": "eval", "samples": rows})
+
+
+def keep_best(run: Run, row: dict) -> bool:
+    """After a held-out evaluation (rank 0): remember the one with the highest held-out reward
+    (strictly higher than every earlier one, the warm start's at step 0 included); True when
+    this one is it. Else count one more evaluation without progress (--early-stop-patience)."""
+    state = run.state
+    reward = row.get("eval_reward_mean")
+    if reward is None:                     # a skipped evaluation (non-finite) counts for nothing
+        return False
+    if state.best_reward is not None and reward <= state.best_reward:
+        state.evals_since_best += 1
+        return False
+    state.best_step, state.best_reward, state.evals_since_best = row["step"], reward, 0
+    state.best_eval = dict(state.last_eval)
+    return True
+
+
+def save_best(run: Run) -> None:
+    """--early-stop-patience: a checkpoint of the new best evaluation, named in the summary
+    (best_checkpoint) and spared by --keep-checkpoints."""
+    before, run.state.best_checkpoint = run.state.best_checkpoint, f"checkpoints/step-{run.state.step:06d}"
+    if save(run) is None:                  # not written (said by save): the older best stays
+        run.state.best_checkpoint = before
+
+
+def save(run: Run) -> Path | None:
+    """A checkpoint now, and the oldest ones pruned (--keep-checkpoints); None (said, counted
+    in the summary) when it cannot be written: a full disk ends that save, not the run."""
+    state, models = run.state, run.learner.models
+    snapshot = dataclasses.replace(state, monitor=run.stability.state_dict(), kl_control=run.kl_control.state_dict(),
+                                   value_head=models.value_head.state_dict() if models.value_head is not None else None,
+                                   seconds=state.seconds + time.time() - run.started)
+    path = None
+    if not logprobs.forward_is_finite(models.model):
+        # blown-up weights would become the newest checkpoint, the one --resume picks
+        run.log(f"step {state.step}: checkpoint not written: these weights give non-finite logits "
+                f"(newest good checkpoint: {checkpoint.find(run.out) or 'none'})")
+    else:
+        try:
+            path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
+                                   dataclasses.asdict(snapshot), run.rng)
+        except (OSError, SafetensorError) as e:
+            state.failed_saves += 1
+            run.log(f"step {state.step}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
+    spare = run.out / state.best_checkpoint if state.best_checkpoint else None    # early stopping's best
+    for old in checkpoint.prune(run.out, run.cfg.keep_checkpoints, spare):
+        run.log(f"removed checkpoint {old.name} (--keep-checkpoints {run.cfg.keep_checkpoints})")
+    return path

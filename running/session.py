@@ -1,0 +1,263 @@
+"""Setting a run up and closing it: the policy loaded, the optimizer and controllers built, a
+resume restored, the logs opened, the folder locked, signals caught, and the summary written.
+
+    with session.open(cfg) as run:          # train.py: everything a run needs, in run
+        ...                                 # the loop
+    run.summary                             # summary.json's contents, after the block
+
+Under torchrun every rank opens the same run (rank 0 alone writes its files); a collective
+that fails because another rank died ends the run with one line (RankLost).
+"""
+import contextlib
+import copy
+import dataclasses
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+
+import grpo
+import kl
+import logprobs
+import ppo
+import rollout
+import tasks
+from models import policy, pretrained
+from running import checkpoint, config, distributed, monitor, report
+from running.bookkeeping import RunState, held_out, keep_best, save_best
+from running.config import Config, default_out
+
+
+# ---- what a run carries ----
+
+@dataclass
+class Learner:
+    """What one RL step works on."""
+    task: tasks.Task
+    models: rollout.Models           # the policy, its tokenizer, the reference, the value head
+    optimizer: torch.optim.Optimizer
+    sampling: tasks.Sampling
+    autocast: Callable               # bf16 autocast on a GPU; nothing on a CPU
+    scorer: torch.nn.Module          # what the update differentiates: logprobs.Scorer(policy, value
+                                     # head), in DDP under torchrun (distributed.replicate)
+    dynamic_rounds: int = 0          # --dynamic-sampling: sampling rounds at most per step; 0 = off
+
+
+@dataclass
+class Run:
+    """Everything the loop carries."""
+    cfg: Config
+    out: Path
+    learner: Learner
+    hp: grpo.HyperParams             # this run's; each step replaces beta, entropy_coef, seed
+    kl_control: kl.KLController
+    stability: monitor.StabilityMonitor
+    state: RunState
+    rng: random.Random               # the prompts' draws
+    prompts: dict                    # "train" and "eval"
+    metrics: checkpoint.JsonlLog
+    samples: checkpoint.JsonlLog
+    log: Callable
+    started: float                   # time.time() at the start of this session
+    interrupts: checkpoint.Interrupts | None = None   # the signals caught (open)
+    step_started: float = 0.0        # time.time() at the start of the current step (begin_step)
+    summary: dict | None = None      # summary.json's contents, once the run is closed
+
+
+# ---- open and close ----
+
+@contextlib.contextmanager
+def open(cfg: Config):
+    """The run of cfg, set up (or resumed) in its locked folder, signals caught; on leaving
+    the block its logs are closed and rank 0 writes the summary (run.summary)."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    out = Path(cfg.out or default_out(cfg))
+    main = distributed.is_main()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock)
+    with checkpoint.RunLock(out) if main else contextlib.nullcontext():
+        run = start(cfg, out)
+        with checkpoint.Interrupts(run.log) as run.interrupts:
+            try:
+                yield run
+            except RuntimeError as e:                # torchrun: another rank died or hung
+                if not distributed.lost_contact(e):
+                    raise
+                run.metrics.close()
+                run.samples.close()
+                raise RankLost(lost_rank_message(run, e)) from e
+        state = run.state
+        state.interrupted = run.interrupts.signal
+        run.metrics.close()
+        run.samples.close()
+        if not main:                                     # rank 0 writes the summary
+            run.summary = dict(stopped=state.stopped, interrupted=state.interrupted)
+            return
+        state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
+        state.seconds += time.time() - run.started       # the whole run's, over every resume
+        run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
+
+
+def begin_step(run: Run, step: int) -> None:
+    """Start the step's clock; under torchrun, give this rank its own sampling seed for it."""
+    run.step_started = time.time()
+    if distributed.launched():
+        torch.manual_seed(distributed.sampling_seed(run.cfg.seed, step))
+
+
+def draw_prompts(run: Run, difficulty: int) -> list:
+    """A step's B training prompts of a difficulty (this rank's share of them under torchrun)."""
+    train, b = run.prompts["train"][difficulty], run.cfg.batch
+    prompts = run.rng.sample(train, b) if b <= len(train) else run.rng.choices(train, k=b)
+    return distributed.shard(prompts)                # torchrun: this rank's B/W of them, groups whole
+
+
+# ---- setting up ----
+
+def load(cfg: Config, task, device: str, log):
+    """The policy and its tokenizer on device, dropout off: a real model (--model: a named
+    model, a folder, a hub id; pretrained.py) or the tiny model built in code, each
+    warm-started on the task's mix (policy.py) unless --sft-steps 0; then, with --init-from,
+    another run's weights (checkpoint.starting_point)."""
+    default = policy.WARM_START["real" if cfg.model else "tiny"]
+    warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
+                            default.batch, cfg.sft_seed, cfg.sft_difficulty)
+    if cfg.model:
+        folder = pretrained.resolve(cfg.model, Path(cfg.model_cache or pretrained.default_cache()), log)
+        # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
+        # weights would mostly round away.
+        model, tok = policy.real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
+    else:
+        model, tok = policy.tiny_policy(task, cfg.hidden, cfg.layers, warm, Path(cfg.cache_dir), log)
+    if cfg.init_from:              # a second stage: another run's weights replace the warm start
+        ckpt = checkpoint.starting_point(Path(cfg.init_from))
+        checkpoint.load_weights(ckpt, model)
+        log(f"--init-from: the policy starts from {ckpt}")
+    off = policy.disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
+    if off:
+        log(f"dropout: switched off in {off} places for RL")
+    return model.to(device), tok
+
+
+def param_groups(cfg: Config, model, critic) -> list:
+    """The optimizer's parameter groups: the policy's; PPO's critic (a value head, or with
+    --critic separate a network) in a group of its own at --critic-lr, clipped on its own
+    (grpo.optimizer_step). A shared value head at --lr stays in the policy's group, one clip
+    over both, as before --critic-lr existed."""
+    if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
+        return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
+    scale = (cfg.critic_lr or cfg.lr) / cfg.lr
+    return [{"params": list(model.parameters())},
+            {"params": list(critic.parameters()), "lr": cfg.lr * scale, "lr_scale": scale}]
+
+
+def start(cfg: Config, out: Path) -> Run:
+    """Load the policy, build the optimizer and controllers, resume if asked, open the logs
+    and evaluate at step 0."""
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    main = distributed.is_main()                     # rank 0 (always, in one process) writes and prints
+    log = (lambda *a: None) if cfg.quiet or not main else (lambda s: print(s, file=sys.stderr))
+    started = time.time()
+    if distributed.launched():
+        distributed.init(device)                     # torchrun: join the other ranks
+        out = Path(distributed.gather(str(out))[0])  # rank 0's folder (messages name it)
+        log(f"torchrun: {distributed.size()} ranks ({'nccl' if device == 'cuda' else 'gloo'}), "
+            f"{cfg.batch // distributed.size()} of the {cfg.batch} prompts of a step each")
+    if cfg.overwrite and not cfg.resume and main:
+        checkpoint.clear_run(out, config.RUN_FILES)
+        log(f"--overwrite: removed the earlier run's files from {out}")
+    task = tasks.TASKS[cfg.task]
+    with distributed.main_first():                   # rank 0 fills the model and warm-start caches
+        model, tok = load(cfg, task, device, log)
+    value_head = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
+        ppo.ValueHead(model.config.hidden_size).to(device)                # PPO's critic (ppo.py)
+    scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
+    # The reference is the policy RL starts from, also when resuming: load() always returns it
+    # (the warm start; with --init-from, the first stage's weights: the KL then anchors GRPO
+    # to the policy it was handed, as TRL and verl take the initial policy as the reference).
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    optimizer = torch.optim.AdamW(param_groups(cfg, model, value_head), lr=cfg.lr, weight_decay=0.0)
+    # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
+    bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
+    log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
+    autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, config.sampling(cfg),
+                      autocast, scorer, dynamic_rounds=cfg.max_sampling_rounds if cfg.dynamic_sampling else 0)
+    kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
+                                                     cfg.kl_target_max, cfg.kl_horizon, cfg.n))
+    stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,
+                                         cfg.alert_window)
+    rng = random.Random(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    state = RunState()
+    if cfg.resume:                                   # every rank loads rank 0's checkpoint
+        saved, used = checkpoint.restore_newest(Path(cfg.resume), model, optimizer, rng, log)
+        state = RunState.from_checkpoint(saved)
+        stability.load_state_dict(state.monitor)
+        kl_control.load_state_dict(state.kl_control)
+        if value_head is not None:
+            value_head.load_state_dict(state.value_head)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            torn = checkpoint.truncate_log(out / name, state.step) if main else 0
+            if torn:
+                log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
+        log(f"resumed from {used} at step {state.step}")
+    ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
+    if distributed.launched():
+        ran_on += f" x {distributed.size()} ranks (torchrun)"
+    if main:
+        (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on), indent=2))
+    logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
+            for name in ("metrics.jsonl", "samples.jsonl")]
+    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
+              prompts_of(task, cfg), *logs, log, started)
+    if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
+        held_out(run, row := {"step": 0})                    # before any update: evaluation only
+        state.first_eval = state.last_eval
+        run.metrics.write(row)
+        if keep_best(run, row) and cfg.early_stop_patience:
+            save_best(run)                           # the warm start is the first best
+        log("step 0: held-out " + ", ".join(f"{key} {state.first_eval['eval_' + key]:.2f}"
+                                            for key in task.HEADLINE))
+    return run
+
+
+def prompts_of(task, cfg: Config) -> dict:
+    """The task's prompts: "train", a list per difficulty the run trains at (--curriculum: 1
+    up to --difficulty); "eval", held out, at --difficulty (--eval-prompts of them, spread over
+    the list); "nll": as many training prompts (32 by default) at --difficulty spread over
+    theirs, on which the answer NLL is measured beside the held-out one."""
+    levels = range(1, cfg.difficulty + 1) if cfg.curriculum else [cfg.difficulty]
+    train = {d: task.prompts("train", d) for d in levels}
+    held_out, n = task.prompts("eval", cfg.difficulty), cfg.eval_prompts
+
+    def spread(xs: list, k: int) -> list:              # every (len/k)-th: each part of the list
+        return xs[::max(1, len(xs) // k)][:k]
+    return {"train": train, "eval": spread(held_out, n or len(held_out)), "nll": spread(train[cfg.difficulty], n or 32)}
+
+
+# ---- a rank lost ----
+
+class RankLost(RuntimeError):
+    """Under torchrun, a collective failed: another rank died (killed, crashed) or hung."""
+
+
+def lost_rank_message(run: Run, error: RuntimeError) -> str:
+    """One line: which rank saw what, where the log ends, and how to go on."""
+    newest = checkpoint.find(run.out)
+    how = (f"continue from {newest.name} with: torchrun --nproc_per_node {distributed.size()} train.py "
+           f"--resume {run.out}" if newest else "no checkpoint was written (--save-every 0): it cannot be resumed")
+    # gloo's "[.../pair.cc:537] Read error [host]:port: Connection reset by peer. This is ..."
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    first = first.split("] ", 1)[-1].split(". ")[0][:160]
+    return (f"rank {distributed.rank()} of {distributed.size()} lost contact with another rank during step "
+            f"{run.state.step + 1} ({first}); the job ends. metrics.jsonl holds every step up to "
+            f"{run.state.step}; {how}")
