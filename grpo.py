@@ -117,26 +117,25 @@ def importance_ratio(logp, old_logp, mask, level: str):
     return torch.exp(mean_log_ratio).unsqueeze(1)                               # (n, 1)
 
 
-def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float, mask=None, level: str = "token"):
-    """PPO's clipped objective per token, to be maximised, and where clipping bites.
+def clipped_surrogate(ratio, adv, eps_low: float, eps_high: float):
+    """PPO's clipped objective, to be maximised, and where clipping bites.
 
-    logp, old_logp: (n, C); adv: (n,) one per sequence (GRPO) or (n, C) one per token (PPO);
-    mask (n, C): the policy's tokens (needed by level "sequence", whose ratio averages them).
-    With the sequence ratio (GSPO), every token of sequence i carries the same
+    ratio: (n, C) per token or (n, 1) per sequence (importance_ratio); adv: (n,) one per
+    sequence (GRPO) or (n, C) one per token (PPO). Returns (surrogate, clipped bool), both of
+    the broadcast shape, (n, C) or (n, 1). With the sequence ratio (GSPO), every token of
+    sequence i carries the same
     L_i = -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i): aggregated with
     seq-mean-token-mean the loss is GSPO's mean over sequences of L_i, and unclipped
     dL_i/dlogp_it = -A_i * s_i / |y_i| (clipped: 0). A one-token sequence's s_i is its token
     ratio: the two levels then give the same loss. PPO's advantages are per token, so the
     sequence level is GRPO's and RCE has no ratio (running/config.py refuses both).
-    Returns (surrogate (n, C), clipped (n, C) bool).
     """
-    ratio = importance_ratio(logp, old_logp, mask, level)                   # (n, C) or (n, 1)
     a = adv.unsqueeze(1) if adv.dim() == 1 else adv                         # (n, 1) or (n, C)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * a
     # min(): the objective never rewards moving the ratio past the clip range.
     surrogate = torch.min(unclipped, clipped)                               # (n, C) or (n, 1)
-    return surrogate.expand_as(logp), (clipped < unclipped).expand_as(logp)
+    return surrogate, clipped < unclipped
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")
@@ -174,8 +173,10 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     reference and the KL in the loss; ref_kl (k3, whichever estimator the loss uses) is
     measured whenever there is a reference."""
     mask = rows.mask                                                            # (n, C)
-    surrogate, clipped = clipped_surrogate(logp, old_logp, rows.advantages, hp.clip_low, hp.clip_high,
-                                           mask, hp.ratio_level)
+    ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)             # (n, C) or (n, 1)
+    surrogate, clipped = clipped_surrogate(ratio, rows.advantages, hp.clip_low, hp.clip_high)
+    surrogate, clipped = surrogate.expand_as(logp), clipped.expand_as(logp)     # (n, C): a sequence's
+                                                                                # ratio on its every token
     per_token = -surrogate                                                      # (n, C)
     sums = {}
     if rows.ref_logp is not None:

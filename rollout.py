@@ -222,15 +222,17 @@ def stop_ids(tok, stop_strings) -> list | None:
 
 
 @torch.no_grad()
-def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, sampling, stop_strings,
+def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, sampling,
                     record_old_logp: bool = True):
     """Play N = B*K multi-turn episodes: envs[i] is already reset and plays row i (rows
     grouped by prompt, as in `sample`). Each turn, every unfinished episode generates until
     a stop string (the end of a tool call or of an answer), the environment answers, and its
     reply is appended to that episode's context. Returns the Rollout (completion = every
     turn and reply after the prompt; mask 1 only on the policy's tokens), the info dicts of
-    each episode and the texts of each episode's policy turns."""
+    each episode and the texts of each episode's policy turns. Where a turn ends is the
+    environment's to say (its stop_strings: the end of a tool call or of an answer)."""
     model, tok = models.model, models.tok
+    stop_strings = envs[0].stop_strings
     device = next(model.parameters()).device
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in prompt_texts for _ in range(k)]
     n = len(prompts)

@@ -130,6 +130,8 @@ _PAIRS = re.compile(r"(?:[a-z_.]+=\d+)+")
 
 
 class ToolEnv:
+    stop_strings = STOP_STRINGS      # where a policy turn ends (rollout.sample_episodes stops there)
+
     def __init__(self, max_turns: int = 3, benchmarks=tuple(KNOWLEDGE_BASE)):
         self.max_turns, self.benchmarks = max_turns, benchmarks
         self.asked, self.kb, self.turn, self.turn_limit, self.done = (), {}, 0, max_turns, True

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from running import config
+from running import checks
 from running import report
 
 ROOT = Path(__file__).parent.parent          # the repository: workers run as `python -m lab.bench` there
@@ -303,7 +304,7 @@ def main(argv=None):
         p.error(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
     if args.pairs < 1:
         p.error(f"--pairs must be >= 1, got {args.pairs}")
-    if args.json and not (config.writable(Path(args.json).parent) and
+    if args.json and not (checks.writable(Path(args.json).parent) and
                           (not Path(args.json).exists() or os.access(args.json, os.W_OK))):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
     if args.what == "logprobs":
@@ -313,7 +314,7 @@ def main(argv=None):
     if args.model and args.vs_trl:
         p.error("--vs-trl compares on the --config shapes, not with --model")
     if args.model:
-        problem = config.validate_model(args.model)
+        problem = checks.validate_model(args.model)
         if problem:
             p.error(f"--model: {problem}")
     if args.vs_trl:

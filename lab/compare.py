@@ -48,6 +48,7 @@ import transformers
 from running import checkpoint
 from running import session
 from running import config
+from running import checks
 from running import evaluate
 from running import plots
 from running import report
@@ -244,7 +245,7 @@ def main(argv=None):
     common = shlex.split(args.common)
     columns = [x for x in args.columns.split(",") if x]
     for s in args.settings:                       # fail on a bad setting or column before any run
-        held = [run for run in (args.out / "runs" / slug(s)).glob("s*") if config.holds_run(run)]
+        held = [run for run in (args.out / "runs" / slug(s)).glob("s*") if checks.holds_run(run)]
         if held and not args.overwrite:
             p.error(f"--out: {str(held[0])!r} holds a run already; --overwrite replaces the runs "
                     f"under {str(args.out)!r}, another --out keeps them")
@@ -289,7 +290,7 @@ CHECKPOINT_SEED = 4321          # not evaluate.EVAL_SEED: the runs picked their 
 
 def run_config(run: Path) -> config.Config:
     """The configuration a run was made with (its config.json)."""
-    return config.Config(**config.saved_fields(run))
+    return config.Config(**checks.saved_fields(run, config.Config))
 
 
 def checkpoints_problem(runs: list) -> str | None:
@@ -302,7 +303,7 @@ def checkpoints_problem(runs: list) -> str | None:
         if not checkpoint.candidates(run):
             return f"{str(run)!r} holds no checkpoint (train.py --save-every N or --early-stop-patience P)"
         cfg = run_config(run)
-        shape = {name: getattr(cfg, name) for name in config.SAME_MODEL}
+        shape = {name: getattr(cfg, name) for name in checks.SAME_MODEL}
         first = first or shape
         if shape != first:
             return f"{str(run)!r} has {shape}, another run {first}: one baseline needs one task and model"
@@ -378,7 +379,7 @@ def checkpoints_main(argv: list) -> None:
     problem = checkpoints_problem(args.runs)
     if problem:
         p.error(problem)
-    if not config.writable(args.out):
+    if not checks.writable(args.out):
         p.error(f"--out: cannot create or write to the folder {str(args.out)!r}")
     result = evaluate_checkpoints(args.runs, args.samples, log=lambda s: print(s, file=sys.stderr))
     task = tasks.TASKS[run_config(args.runs[0]).task]

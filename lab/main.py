@@ -19,6 +19,7 @@ from pathlib import Path
 import transformers
 
 from running import config
+from running import checks
 from lab.common import Lab
 from lab.report000 import critic, curriculum, tools
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
@@ -68,7 +69,7 @@ def main(argv=None):
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.model:
-        problem = config.validate_model(args.model)
+        problem = checks.validate_model(args.model)
         if problem:
             p.error(f"--model: {problem}")
     if args.list:
@@ -80,7 +81,7 @@ def main(argv=None):
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join(EXPERIMENTS)}")
     out = args.out or Path("runs/lab-quick" if args.quick else
                            f"results/{args.model.replace('/', '_')}" if args.model else "results")
-    if not config.writable(out):
+    if not checks.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     names = args.names or list(EXPERIMENTS)
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]

@@ -2,23 +2,18 @@
 
 Every field is a flag (`k` -> `--k`, `max_grad_norm` -> `--max-grad-norm`) whose help is the
 field's own one-line documentation; `python train.py --help` lists them. Every flag is
-checked here, before any model loads: bad input ends with one line naming the flag, and
-exit code 2.
+checked before any model loads (running/checks.py): bad input ends with one line naming the
+flag, and exit code 2.
 
 `--resume DIR` continues the run in DIR with the configuration saved there (config.json);
 only --steps (to extend the run) and --quiet may be given with it.
 """
 import argparse
 import dataclasses
-import itertools
-import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 import advantages
 from running import checkpoint
@@ -27,8 +22,8 @@ import grpo
 import kl
 import ppo
 import rce
-from models import pretrained
 from running import schedules
+from running.checks import ConfigError, default_out, saved_fields, validate  # noqa: F401 (default_out: for importers)
 import tasks
 
 
@@ -220,239 +215,6 @@ def sampling(cfg: Config) -> tasks.Sampling:
                           process_reward=not cfg.drop_process_reward)
 
 
-# ---- checking the flags ----
-
-class ConfigError(ValueError):
-    pass
-
-
-def validate(cfg: Config) -> Config:
-    """Check every flag before any work starts; raise ConfigError naming the flag."""
-    def need(ok, flag, what):
-        if not ok:
-            raise ConfigError(f"--{flag}: {what}")
-    for f in dataclasses.fields(Config):           # inf and nan pass every comparison below
-        value = getattr(cfg, f.name)
-        need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
-             f"must be a finite number, got {value}")
-    need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {cfg.seed}")
-    need(0 <= cfg.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {cfg.sft_seed}")
-    need(cfg.sft_lr >= 0, "sft-lr", f"must be > 0 (or 0 = the default), got {cfg.sft_lr}")
-    need(cfg.k >= 1, "k", f"must be >= 1, got {cfg.k}")
-    need(cfg.norm not in advantages.GROUP_NORMS or cfg.k >= 2, "k",
-         f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
-    need(cfg.algo != "rce" or cfg.k >= 2, "k", f"--algo rce weighs the K samples of a prompt against each "
-         f"other and needs --k >= 2, got {cfg.k}")
-    need(cfg.algo != "rce" or (cfg.beta == 0 and cfg.kl_control == "fixed"), "beta",
-         "--algo rce has no KL term (rce.py); leave --beta at 0 and --kl-control fixed")
-    need(cfg.ratio_level == "token" or cfg.algo == "grpo", "ratio-level",
-         f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} "
-         + ("has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)"))
-    need(not cfg.dynamic_sampling or cfg.algo == "grpo", "dynamic-sampling",
-         f"drops the groups a group baseline gives advantage 0; --algo {cfg.algo} "
-         + ("gives every token a baseline from its critic" if cfg.algo == "ppo" else "imitates them instead"))
-    need(not cfg.dynamic_sampling or cfg.k >= 2, "dynamic-sampling", f"compares the K rewards of a group and "
-         f"needs --k >= 2, got {cfg.k}")
-    need(not cfg.dynamic_sampling or not distributed.launched(), "dynamic-sampling",
-         "not under torchrun: ranks would sample different numbers of rounds (dynamic_sampling.py)")
-    need(cfg.max_sampling_rounds >= 1, "max-sampling-rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
-    need(cfg.rce_temp_start > 0, "rce-temp-start", f"must be > 0, got {cfg.rce_temp_start}")
-    need(cfg.rce_temp_end > 0, "rce-temp-end", f"must be > 0, got {cfg.rce_temp_end}")
-    need(cfg.reward != "composite" or cfg.task == "dsl", "reward",
-         f"composite is report 003's reward written for the dsl task, not --task {cfg.task}")
-    need(cfg.reward not in ("sparse", "format") or cfg.task == "tools", "reward",
-         f"{cfg.reward} is a reward of the tools task; the dsl task takes shaped (the default) or composite")
-    need(cfg.early_stop_patience >= 0, "early-stop-patience", f"must be >= 0 (0 = off), got {cfg.early_stop_patience}")
-    need(cfg.batch >= 1, "batch", f"must be >= 1, got {cfg.batch}")
-    ranks = distributed.size()                      # torchrun's WORLD_SIZE; 1 for python train.py
-    need(cfg.batch % ranks == 0, "batch", f"{cfg.batch} prompts per step do not split over {ranks} ranks "
-         f"(torchrun's processes); give a multiple of {ranks}")
-    need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
-    need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
-    cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
-    need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
-    need(cfg.clip_eps_high >= 0, "clip-eps-high", f"must be >= 0, got {cfg.clip_eps_high}")
-    need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")
-    need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
-    need(cfg.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {cfg.entropy_coef}")
-    need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
-    need(cfg.mini_batch >= 0 and (cfg.mini_batch == 0 or cfg.n % cfg.mini_batch == 0), "mini-batch",
-         f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}")
-    need(cfg.mini_batch % ranks == 0, "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}")
-    mini = (cfg.mini_batch or cfg.n) // ranks
-    need(cfg.micro_batch >= 0 and (cfg.micro_batch == 0 or mini % cfg.micro_batch == 0), "micro-batch",
-         f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) (or be 0), "
-         f"got {cfg.micro_batch}")
-    need(cfg.target_kl >= 0, "target-kl", f"must be >= 0 (0 = off), got {cfg.target_kl}")
-    need(0 <= cfg.min_lr <= cfg.lr, "min-lr", f"must be in [0, --lr], got {cfg.min_lr}")
-    need(0 <= cfg.warmup_steps < cfg.steps, "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}")
-    need(cfg.entropy_coef_end == -1 or cfg.entropy_coef_end >= 0, "entropy-coef-end",
-         f"must be >= 0 (or -1 = no decay), got {cfg.entropy_coef_end}")
-    need(cfg.kl_control == "fixed" or cfg.beta > 0, "kl-coef",
-         f"adaptive --kl-control {cfg.kl_control} needs a starting --kl-coef > 0")
-    lo, hi = kl.KLController.CLAMP[cfg.kl_control]
-    need(cfg.kl_control == "fixed" or lo <= cfg.beta <= hi, "kl-coef",
-         f"--kl-control {cfg.kl_control} keeps beta in [{lo}, {hi}]; a starting --kl-coef {cfg.beta} is outside it")
-    need(cfg.kl_target > 0, "kl-target", f"must be > 0, got {cfg.kl_target}")
-    need(cfg.kl_horizon > 0, "kl-horizon", f"must be > 0, got {cfg.kl_horizon}")
-    need(0 < cfg.kl_target_min < cfg.kl_target_max, "kl-target-min",
-         f"need 0 < --kl-target-min < --kl-target-max, got {cfg.kl_target_min} and {cfg.kl_target_max}")
-    need(cfg.critic_lr >= 0, "critic-lr", f"must be > 0 (or 0 = --lr), got {cfg.critic_lr}")
-    for flag, given in (("critic", cfg.critic != "shared"), ("critic-lr", cfg.critic_lr > 0)):
-        need(cfg.algo == "ppo" or not given, flag, f"PPO's critic; --algo {cfg.algo} has none")
-    need(cfg.vf_coef >= 0, "vf-coef", f"must be >= 0, got {cfg.vf_coef}")
-    need(cfg.value_clip >= 0, "value-clip", f"must be >= 0 (0 = off), got {cfg.value_clip}")
-    need(0 <= cfg.gamma <= 1, "gamma", f"must be in [0, 1], got {cfg.gamma}")
-    need(0 <= cfg.lam <= 1, "lam", f"must be in [0, 1], got {cfg.lam}")
-    need(cfg.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {cfg.max_grad_norm}")
-    need(cfg.temperature > 0, "temperature", f"must be > 0, got {cfg.temperature}")
-    need(cfg.max_turns >= 1, "max-turns", f"must be >= 1, got {cfg.max_turns}")
-    top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
-    need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
-         f"{cfg.difficulty}" if top > 1 else f"--task {cfg.task} has one difficulty (1), got {cfg.difficulty}")
-    need(not cfg.curriculum or cfg.difficulty >= 2, "curriculum", f"moves from difficulty 1 up to --difficulty; "
-         f"give --difficulty 2 or more (it is {cfg.difficulty})")
-    need(not cfg.curriculum or cfg.steps >= cfg.difficulty, "curriculum", f"needs a step per difficulty at "
-         f"least: --steps {cfg.steps} < --difficulty {cfg.difficulty}")
-    need(0 <= cfg.sft_difficulty <= top, "sft-difficulty", f"must be in [1, {top}] for --task {cfg.task} (or 0 = "
-         f"--difficulty), got {cfg.sft_difficulty}")
-    cfg.sft_difficulty = cfg.sft_difficulty or cfg.difficulty
-    need(cfg.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {cfg.reward_clip}")
-    need(cfg.max_new_tokens >= 0, "max-new-tokens", f"must be >= 1 (or 0 = the default), got {cfg.max_new_tokens}")
-    need(cfg.eval_every >= 1, "eval-every", f"must be >= 1, got {cfg.eval_every}")
-    need(cfg.eval_samples >= 1, "eval-samples", f"must be >= 1, got {cfg.eval_samples}")
-    need(cfg.eval_prompts >= 0, "eval-prompts", f"must be >= 1 (or 0 = all), got {cfg.eval_prompts}")
-    need(cfg.hidden >= 4 and cfg.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {cfg.hidden}")
-    need(cfg.layers >= 1, "layers", f"must be >= 1, got {cfg.layers}")
-    need(cfg.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {cfg.sft_steps}")
-    need(cfg.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {cfg.save_every}")
-    need(cfg.keep_checkpoints >= 0, "keep-checkpoints", f"must be >= 0 (0 = all), got {cfg.keep_checkpoints}")
-    need(cfg.max_skips >= 0, "max-skips", f"must be >= 0, got {cfg.max_skips}")
-    need(cfg.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {cfg.alert_entropy}")
-    need(cfg.alert_kl > 0, "alert-kl", f"must be > 0, got {cfg.alert_kl}")
-    need(cfg.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {cfg.alert_reward_range}")
-    need(cfg.alert_window >= 2, "alert-window", f"must be >= 2, got {cfg.alert_window}")
-    need(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
-    need(not cfg.compile or (cfg.device != "cpu" and torch.cuda.is_available()), "compile",
-         "needs a GPU (--device auto or cuda, with CUDA visible)")
-    if cfg.model in pretrained.NAMED:
-        cfg.model_cache = cfg.model_cache or str(pretrained.default_cache())
-        need(writable(Path(cfg.model_cache)), "model-cache", f"cannot create or write to the folder {cfg.model_cache!r}")
-    elif cfg.model:
-        problem = validate_model(cfg.model)
-        need(not problem, "model", f"{cfg.model!r}: {problem}")
-    need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
-    need(not (cfg.overwrite and cfg.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
-    if cfg.init_from and not cfg.resume:
-        problem = init_from_problem(cfg)
-        need(not problem, "init-from", f"{cfg.init_from!r}: {problem}")
-    if not distributed.is_main():        # torchrun: rank 0 alone checks, names and writes the folder
-        cfg.out = cfg.out or default_out(cfg)
-        return cfg
-    if not cfg.out:                      # the default name, with a fresh suffix if it holds a run
-        base = default_out(cfg)
-        names = (base if i == 1 else f"{base}-{i}" for i in itertools.count(1))
-        cfg.out = next(name for name in names if not holds_run(Path(name)))
-    out = Path(cfg.out)
-    need(cfg.resume or cfg.overwrite or not holds_run(out), "out",
-         f"{cfg.out!r} holds a run already ({holds_run(out)}); --resume {cfg.out} continues it, "
-         f"--overwrite replaces it, another --out keeps it")
-    # the one side effect of validation: the run's folder
-    need(writable(out), "out", f"cannot create or write to the folder {str(out)!r}")
-    return cfg
-
-
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints")
-
-
-def holds_run(folder: Path) -> str | None:
-    """The files of a run in folder ('metrics.jsonl, checkpoints'), or None when it holds none."""
-    found = [name for name in RUN_FILES if (Path(folder) / name).exists()]
-    return ", ".join(found) or None
-
-
-MAX_SEED = 2 ** 32 - 1          # seed * 100003 + step must stay inside a torch.Generator's 64 bits
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-           "pytorch_model.bin.index.json")
-TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def writable(folder: Path) -> bool:
-    """Create folder (and its parents) if needed; True when we can write into it."""
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        return os.access(folder, os.W_OK)
-    except OSError:
-        return False
-
-
-def saved_fields(run_dir: Path) -> dict:
-    """The Config fields a run was made with (its config.json, less ran_on and any field this
-    version no longer has); OSError or ValueError when it cannot be read."""
-    saved = json.loads((Path(run_dir) / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(Config)}
-    return {k: v for k, v in saved.items() if k in names}
-
-
-SAME_MODEL = ("task", "model", "hidden", "layers")     # what a run started --init-from another must share
-
-
-def init_from_problem(cfg: Config) -> str | None:
-    """Why --init-from cannot start this run, or None: it needs a checkpoint, and the run
-    that wrote it must have had the same task and model (its config.json)."""
-    ckpt = checkpoint.starting_point(Path(cfg.init_from))
-    if ckpt is None:
-        return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
-    try:
-        saved = saved_fields(checkpoint.run_dir_of(ckpt))
-    except (OSError, ValueError):
-        return f"cannot read {str(checkpoint.run_dir_of(ckpt) / 'config.json')!r}"
-    for name in SAME_MODEL:
-        if saved.get(name) != getattr(cfg, name):
-            return (f"that run's --{name} was {saved.get(name)!r}, this run's is {getattr(cfg, name)!r}; "
-                    f"a run starts only from weights of the same task and model")
-    return None
-
-
-def validate_model(name: str) -> str | None:
-    """Why --model name cannot be used, or None: a named model, a loadable folder, or
-    something of the form of a hub id (whether the hub has it is known only when asked)."""
-    if name in pretrained.NAMED:
-        return None
-    if Path(name).exists():
-        return model_folder_problem(Path(name))
-    return pretrained.not_a_hub_id(name)
-
-
-def model_folder_problem(path: Path) -> str | None:
-    """Why a --model folder cannot be loaded, or None: it needs a config.json that parses,
-    weights, and a tokenizer."""
-    if not path.is_dir():
-        return "not a folder"
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except OSError:
-        return "no readable config.json"
-    except ValueError as e:
-        return f"config.json is not valid JSON ({e})"
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        return "config.json names no model_type"
-    if not any((path / name).is_file() for name in WEIGHTS):
-        return f"no weights (none of {', '.join(WEIGHTS)})"
-    if not any((path / name).is_file() for name in TOKENIZER):
-        return f"no tokenizer (none of {', '.join(TOKENIZER)})"
-    return None
-
-
-def default_out(cfg: Config) -> str:
-    task = f"tools_{cfg.reward}_" if cfg.task == "tools" else ""
-    if cfg.difficulty > 1:
-        task += f"d{cfg.difficulty}_" + ("curriculum_" if cfg.curriculum else "")
-    if cfg.algo in ("ppo", "rce"):
-        return f"runs/{task}{cfg.algo}_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
-    return f"runs/{task}k{cfg.k}_b{cfg.batch}_{cfg.norm}_lr{cfg.lr:g}_s{cfg.seed}"
-
-
 def fail(message: str):
     """Bad input: one line on stderr, exit code 2, before any work. Under torchrun every rank
     prints its line: torchrun stops the others as soon as one exits, so a rank left to speak
@@ -519,7 +281,7 @@ def resumed_config(cfg: Config, given: dict) -> Config:
                           f"with checkpoints/step-*/ or a checkpoint folder)")
     run_dir = checkpoint.run_dir_of(ckpt)
     try:
-        saved = saved_fields(run_dir)
+        saved = saved_fields(run_dir, Config)
     except (OSError, ValueError):
         raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r}")
     saved["out"] = str(run_dir)

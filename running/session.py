@@ -30,6 +30,7 @@ import rollout
 import tasks
 from models import policy, pretrained
 from running import checkpoint, config, distributed, monitor, report
+from running import checks
 from running.bookkeeping import RunState, held_out, keep_best, save_best
 from running.config import Config, default_out
 
@@ -172,7 +173,7 @@ def start(cfg: Config, out: Path) -> Run:
         log(f"torchrun: {distributed.size()} ranks ({'nccl' if device == 'cuda' else 'gloo'}), "
             f"{cfg.batch // distributed.size()} of the {cfg.batch} prompts of a step each")
     if cfg.overwrite and not cfg.resume and main:
-        checkpoint.clear_run(out, config.RUN_FILES)
+        checkpoint.clear_run(out, checks.RUN_FILES)
         log(f"--overwrite: removed the earlier run's files from {out}")
     task = tasks.TASKS[cfg.task]
     with distributed.main_first():                   # rank 0 fills the model and warm-start caches

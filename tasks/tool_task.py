@@ -25,7 +25,7 @@ from models import policy
 import rewards
 import rollout
 # MAX_DIFFICULTY (tasks.Task): --difficulty's largest, the benchmarks an episode may ask about
-from tool_env import FAILURES, KNOWLEDGE_BASE, MAX_DIFFICULTY, STOP_STRINGS, ToolEnv
+from tool_env import FAILURES, KNOWLEDGE_BASE, MAX_DIFFICULTY, ToolEnv
 
 NAME = "tools"
 SYSTEM_PROMPT = (
@@ -196,8 +196,7 @@ def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True
             envs.append(ToolEnv(max_turns=sampling.max_turns))
             envs[-1].reset(seed=p["seed"], difficulty=p["difficulty"])
     texts = [policy.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
-    batch, infos, turns = rollout.sample_episodes(models, texts, envs, k, sampling, STOP_STRINGS,
-                                                  record_old_logp)
+    batch, infos, turns = rollout.sample_episodes(models, texts, envs, k, sampling, record_old_logp)
     batch.rewards = torch.tensor([episode_reward(e, t, sampling) for e, t in zip(infos, turns)])  # (N,)
     return batch, list(zip(infos, turns))
 

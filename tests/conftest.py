@@ -17,6 +17,11 @@ from models import policy  # noqa: E402
 from rollout import Rollout, completion_mask  # noqa: E402
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "lesson: a lesson's demonstration against its reference; "
+                                       "`python -m pytest -q -m lesson` runs them alone in about a minute")
+
+
 def grpo_update(scorer, optimizer, batch, hp):
     """update.py's loop with GRPO's loss (train.py picks it by --algo)."""
     return update.update(scorer, optimizer, batch, hp, grpo.loss)

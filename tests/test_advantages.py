@@ -9,6 +9,8 @@ import torch
 
 import advantages as adv
 
+pytestmark = pytest.mark.lesson          # every test here is a lesson: python -m pytest -m lesson
+
 
 # ---- the K=2 lesson of report 001 ----
 

@@ -13,6 +13,7 @@ import train
 from conftest import quick, synthetic_batch, tiny_model
 
 
+@pytest.mark.lesson
 def test_informative_groups_by_hand():
     r = torch.tensor([1.0, 1.0, 1.0, 0.2, 0.0, 0.0, math.nan, 0.0])     # K = 2
     assert dynamic_sampling.informative(r, 2).tolist() == [False, True, False, True]
@@ -33,6 +34,7 @@ def scripted(rounds: list, k: int):
     return sample_round, calls
 
 
+@pytest.mark.lesson
 def test_rounds_go_on_until_b_groups_differ_and_keep_them_in_order():
     # B = 3, K = 2: round 1 has one informative group (prompt 1), round 2 two (prompts 3, 5)
     sample_round, calls = scripted([[1, 1, 0, 1, 0, 0], [1, 0, 0, 0, 0.2, 1], [1, 0, 1, 0, 1, 0]], 2)
@@ -45,6 +47,7 @@ def test_rounds_go_on_until_b_groups_differ_and_keep_them_in_order():
     assert len(batch.texts) == 6 and batch.completion_mask.shape[0] == 6
 
 
+@pytest.mark.lesson
 def test_at_the_cap_the_step_keeps_fewer_groups_or_none():
     sample_round, calls = scripted([[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 0]], 2)
     fresh = iter([[2, 3], [4, 5]])
@@ -57,6 +60,7 @@ def test_at_the_cap_the_step_keeps_fewer_groups_or_none():
         "none kept: the last round as sampled"
 
 
+@pytest.mark.lesson
 def test_merging_rounds_pads_without_changing_any_log_prob():
     model = tiny_model()
     a = synthetic_batch(model, n=4, p_len=3, c_len=5, seed=1)

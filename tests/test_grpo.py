@@ -20,20 +20,23 @@ from rollout import completion_mask
     (0.5, -2.0, 0.8 * -2.0, True),       # A < 0, ratio below 1-eps: floored at 0.8 * A
     (1.5, -2.0, 1.5 * -2.0, False),      # A < 0, ratio above 1+eps: min keeps the worse 1.5*A
 ])
+@pytest.mark.lesson
 def test_clipped_surrogate_against_hand_arithmetic(ratio, adv, expected, clipped):
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(ratio))
-    s, c = grpo.clipped_surrogate(logp, old, torch.tensor([adv]), 0.2, 0.2)
+    s, c = grpo.clipped_surrogate(torch.exp(logp - old), torch.tensor([adv]), 0.2, 0.2)
     assert s.item() == pytest.approx(expected, rel=1e-6)
     assert c.item() == clipped
 
 
+@pytest.mark.lesson
 def test_decoupled_upper_clip():
     logp = torch.full((1, 1), math.log(1.25))
-    s, _ = grpo.clipped_surrogate(logp, torch.zeros(1, 1), torch.tensor([1.0]), 0.2, 0.28)
+    s, _ = grpo.clipped_surrogate(torch.exp(logp), torch.tensor([1.0]), 0.2, 0.28)
     assert s.item() == pytest.approx(1.25)      # inside DAPO's wider upper bound
 
 
+@pytest.mark.lesson
 def test_aggregations_against_hand_arithmetic():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
@@ -45,6 +48,7 @@ def test_aggregations_against_hand_arithmetic():
 
 
 @pytest.mark.parametrize("agg", grpo.AGGREGATIONS)
+@pytest.mark.lesson
 def test_micro_batched_gradient_equals_full_batch_gradient(agg):
     grads = []
     for micro in (8, 2):
@@ -70,6 +74,7 @@ def test_non_finite_loss_skips_the_step_and_leaves_weights_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.lesson
 def test_completion_mask_keeps_the_sampled_eos_and_drops_what_follows():
     eos = 1
     ids = torch.tensor([[5, 6, eos, 0, 0], [5, eos, eos, eos, eos], [5, 6, 7, 8, 9]])
@@ -81,6 +86,7 @@ def test_completion_mask_keeps_the_sampled_eos_and_drops_what_follows():
 
 # ---- the update loop's parts: shuffling, steps taken, the grad-norm metric ----
 
+@pytest.mark.lesson
 def test_mini_batches_are_shuffled_every_epoch_even_with_one_epoch():
     batch = synthetic_batch(tiny_model())
     hp = HyperParams(mini_batch=2, micro_batch=1)
@@ -141,6 +147,7 @@ def first_epoch_ratio_stats(model):
     return grpo_update(logprobs.Scorer(model), opt, batch, HyperParams(mini_batch=8, micro_batch=8, max_len=6))
 
 
+@pytest.mark.lesson
 def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():
     from models import policy
     noisy = first_epoch_ratio_stats(gpt2_model())

@@ -15,6 +15,7 @@ import train
 from conftest import grpo_update, quick, synthetic_batch, tiny_model
 
 
+@pytest.mark.lesson
 def test_the_sequence_ratio_is_the_geometric_mean_of_its_token_ratios_by_hand():
     old = torch.zeros(2, 3)
     logp = torch.tensor([[0.2, -0.1, 5.0], [0.3, 0.0, 0.0]])
@@ -36,10 +37,11 @@ def gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2):
 
 
 def our_loss(logp, old, adv, mask, agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, level="sequence"):
-    surrogate, _ = grpo.clipped_surrogate(logp, old, adv, eps_low, eps_high, mask, level)
-    return grpo.aggregate(-surrogate, mask, agg, len(logp), int(mask.sum()), logp.shape[1])
+    surrogate, _ = grpo.clipped_surrogate(grpo.importance_ratio(logp, old, mask, level), adv, eps_low, eps_high)
+    return grpo.aggregate(-surrogate.expand_as(logp), mask, agg, len(logp), int(mask.sum()), logp.shape[1])
 
 
+@pytest.mark.lesson
 def test_unclipped_gradient_is_minus_a_s_over_the_length_by_hand():
     # one sequence of 3 policy tokens and a padding token; A = 2, ratio inside the clip range
     old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
@@ -54,6 +56,7 @@ def test_unclipped_gradient_is_minus_a_s_over_the_length_by_hand():
 
 
 @pytest.mark.parametrize("shift, adv", [(0.3, 1.0), (-0.3, -1.0)])
+@pytest.mark.lesson
 def test_clipped_sequence_gets_no_gradient(shift, adv):
     # A > 0 with s above 1 + eps, or A < 0 with s below 1 - eps: the min keeps the clipped term
     old = torch.zeros(1, 2)
@@ -64,10 +67,12 @@ def test_clipped_sequence_gets_no_gradient(shift, adv):
     assert loss.item() == pytest.approx(-bound * adv, rel=1e-6)
     loss.backward()
     assert logp.grad.abs().max().item() == 0.0
-    _, clipped = grpo.clipped_surrogate(logp, old, torch.tensor([adv]), 3e-4, 4e-4, mask, "sequence")
-    assert clipped.all(), "every token of a clipped sequence counts as clipped (clip_frac)"
+    _, clipped = grpo.clipped_surrogate(grpo.importance_ratio(logp, old, mask, "sequence"), torch.tensor([adv]),
+                                        3e-4, 4e-4)
+    assert clipped.shape == (1, 1) and clipped.all(), "one ratio per sequence, clipped as a whole"
 
 
+@pytest.mark.lesson
 def test_loss_and_gradient_match_a_plain_loop_over_sequences():
     gen = torch.Generator().manual_seed(0)
     old = -torch.rand(5, 6, generator=gen) * 3
@@ -86,6 +91,7 @@ def test_loss_and_gradient_match_a_plain_loop_over_sequences():
 
 
 @pytest.mark.parametrize("agg", grpo.AGGREGATIONS)
+@pytest.mark.lesson
 def test_one_token_sequences_give_the_token_level_loss_and_gradient(agg):
     gen = torch.Generator().manual_seed(1)
     old = -torch.rand(8, 1, generator=gen)
@@ -124,6 +130,7 @@ def updated_weights(level: str, batch_old_logp: str):
     return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
 
+@pytest.mark.lesson
 def test_on_policy_gspo_is_token_level_grpo_with_the_sequence_mean():
     # One update on fresh samples: every s_i = 1, never clipped, and -A_i * s_i / |y_i| is the
     # token-level gradient of seq-mean-token-mean. GSPO changes nothing until the samples

@@ -4,6 +4,8 @@ import torch
 
 import kl
 
+pytestmark = pytest.mark.lesson          # every test here is a lesson: python -m pytest -m lesson
+
 P = torch.tensor([0.6, 0.25, 0.1, 0.05])      # the policy
 Q = torch.tensor([0.4, 0.3, 0.2, 0.1])        # the reference
 EXACT = (P * (P / Q).log()).sum()             # KL(P || Q)

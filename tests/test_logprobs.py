@@ -9,6 +9,7 @@ from conftest import synthetic_batch, tiny_model
 from logprobs import Tokens
 
 
+@pytest.mark.lesson
 def test_token_logprobs_equal_naive_log_softmax_gather():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 50, generator=gen) * 4
@@ -17,6 +18,7 @@ def test_token_logprobs_equal_naive_log_softmax_gather():
     torch.testing.assert_close(logprobs.token_logprobs(logits, ids), naive)
 
 
+@pytest.mark.lesson
 def test_chunked_logprobs_and_entropy_equal_one_pass(monkeypatch):
     """A large vocabulary is handled a few rows at a time; the result is the same."""
     model = tiny_model()
@@ -34,6 +36,7 @@ def test_chunked_logprobs_and_entropy_equal_one_pass(monkeypatch):
     torch.testing.assert_close(logprobs.token_logprobs(logits, ids), naive)       # bf16 in, fp32 out
 
 
+@pytest.mark.lesson
 def test_token_entropy_equals_definition():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 11, generator=gen)
@@ -41,6 +44,7 @@ def test_token_entropy_equals_definition():
     torch.testing.assert_close(logprobs.token_entropy(logits), -(p * p.log()).sum(-1))
 
 
+@pytest.mark.lesson
 def test_left_padded_logprobs_equal_each_sequence_alone():
     # Positions count from the first real token, so left padding changes nothing.
     model = tiny_model(1)
@@ -141,6 +145,7 @@ def test_under_bf16_autocast_the_heads_run_in_float32_on_a_large_vocabulary():
 
 # ---- sampling draws from the distribution we score ----
 
+@pytest.mark.lesson
 def test_rollouts_sample_from_the_distribution_their_logprobs_score(monkeypatch):
     """A model whose saved generation config sets a repetition penalty, min-p, typical-p, top-k,
     top-p, banned n-grams and suppressed tokens: generate's processed scores (the distribution it

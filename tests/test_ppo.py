@@ -13,6 +13,7 @@ from conftest import ppo_update, synthetic_batch, tiny_model
 from ppo import PPOParams
 
 
+@pytest.mark.lesson
 def test_clipped_value_loss_against_hand_arithmetic():
     old = torch.tensor([[0.0, 0.0, 0.0]])
     ret = torch.tensor([[1.0, 1.0, -1.0]])
@@ -26,6 +27,7 @@ def test_clipped_value_loss_against_hand_arithmetic():
                                0.5 * torch.tensor([[0.25, 0.81, 2.25]]))
 
 
+@pytest.mark.lesson
 def test_token_rewards_put_the_outcome_on_the_last_policy_token():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     kl_t = torch.full((3, 4), 0.1)
@@ -45,6 +47,7 @@ def naive_token_rewards(rewards, mask):
     return r
 
 
+@pytest.mark.lesson
 def test_token_rewards_on_multi_turn_masks_land_on_the_last_policy_token():
     # Tool episodes: policy turn, environment reply (mask 0), policy turn, padding.
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0],      # two turns: mask.sum - 1 = 3 is a reply token
@@ -65,6 +68,7 @@ def test_token_rewards_on_multi_turn_masks_land_on_the_last_policy_token():
         torch.testing.assert_close(kept, rewards * (mask.sum(1) > 0))
 
 
+@pytest.mark.lesson
 def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_a_constant_one():
     ret = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     mask = torch.ones(1, 4)
@@ -72,6 +76,7 @@ def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_a_constant_
     assert ppo.explained_variance(torch.full((1, 4), 2.5), ret, mask) == pytest.approx(0.0)
 
 
+@pytest.mark.lesson
 def test_prepare_with_gamma_lambda_one_targets_the_outcome_reward():
     model = tiny_model()
     batch = synthetic_batch(model)
@@ -101,6 +106,7 @@ def run_update(micro, epochs=1, target_kl=0.0):
     return stats, grads
 
 
+@pytest.mark.lesson
 def test_ppo_micro_batched_gradient_equals_full_batch_gradient_value_head_included():
     (_, full), (_, micro) = run_update(8), run_update(2)
     torch.testing.assert_close(full, micro, rtol=1e-5, atol=1e-7)

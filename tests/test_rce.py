@@ -26,6 +26,7 @@ from conftest import quick, synthetic_batch, tiny_model
 
 # ---- the weights and the loss ----
 
+@pytest.mark.lesson
 def test_weights_are_a_softmax_of_rewards_within_each_group_by_hand():
     r = torch.tensor([1.0, 0.2, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])          # two prompts, K = 4
     w = rce.weights(r, 4, tau=0.5)
@@ -35,6 +36,7 @@ def test_weights_are_a_softmax_of_rewards_within_each_group_by_hand():
     assert w.view(2, 4).sum(1).tolist() == pytest.approx([1.0, 1.0])
 
 
+@pytest.mark.lesson
 def test_small_tau_puts_the_weight_on_the_best_and_large_tau_imitates_all_k():
     r = torch.tensor([0.2, 1.0, 0.0, 1.0])
     assert rce.weights(r, 4, tau=1e-4).tolist() == pytest.approx([0, 0.5, 0, 0.5]), "ties share the weight"
@@ -51,6 +53,7 @@ def rce_loss(logp, rows, prompts: int, k: int = 2):
     return rce.loss(logp, torch.zeros_like(logp), None, rows, update.MiniBatch([], prompts * k, 0), rce.RCEParams(1, 1, k=k))
 
 
+@pytest.mark.lesson
 def test_loss_and_its_gradient_against_hand_arithmetic():
     logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -0.3, 0.0], [-1.5, 0.0, 0.0], [-0.2, -0.2, -0.2]],
                         requires_grad=True)
@@ -65,6 +68,7 @@ def test_loss_and_its_gradient_against_hand_arithmetic():
     assert torch.allclose(logp.grad, -(w / 2).unsqueeze(1) * mask)
 
 
+@pytest.mark.lesson
 def test_at_small_tau_rce_is_the_cross_entropy_of_the_best_candidate():
     model = tiny_model()
     batch = synthetic_batch(model, n=8)
@@ -77,6 +81,7 @@ def test_at_small_tau_rce_is_the_cross_entropy_of_the_best_candidate():
     assert value.item() == pytest.approx(ce_best.item(), rel=1e-5)
 
 
+@pytest.mark.lesson
 def test_an_rce_update_is_one_sgd_step_on_the_loss():
     model = tiny_model()
     batch = synthetic_batch(model, n=8)
@@ -107,6 +112,7 @@ BEST = "Custom -> Programmer -> Review ? Revise : done"
     ("Test -> Format", 0, 0, 0, 0.0),
     ("### Step 1 : Analyze the problem", 0, 0, 0, 0.0),
 ])
+@pytest.mark.lesson
 def test_composite_reward_against_hand_arithmetic(text, hard, gt_prob, rel, reward):
     parts = rewards.composite_parts(text, BEST)
     assert (parts["hard"], parts["gt_prob"], parts["rel"]) == pytest.approx((hard, gt_prob, rel))

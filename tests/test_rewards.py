@@ -6,6 +6,8 @@ import pytest
 import rewards
 from tasks import workflow_task as task
 
+pytestmark = pytest.mark.lesson          # every test here is a lesson: python -m pytest -m lesson
+
 CODE_BEST = task.BEST_WORKFLOW["code"]
 
 

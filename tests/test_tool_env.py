@@ -23,6 +23,7 @@ def fresh(seed=0, **kw):
     return env
 
 
+@pytest.mark.lesson
 def test_a_good_episode_looks_up_then_answers():
     env = fresh()
     param, value = env.solution
@@ -33,6 +34,7 @@ def test_a_good_episode_looks_up_then_answers():
     assert done and info["correct"] and obs == ""
 
 
+@pytest.mark.lesson
 def test_the_answer_needs_the_tool_the_value_changes_between_episodes():
     values = {}
     for seed in range(200):
@@ -44,6 +46,7 @@ def test_the_answer_needs_the_tool_the_value_changes_between_episodes():
     assert f"{env.solution[0]} , recommended value {env.solution[1]}" in obs
 
 
+@pytest.mark.lesson
 def test_a_failed_call_is_answered_with_its_kind():
     obs, done, info = fresh().step("<tool_call>{oops}</tool_call>")
     assert obs == "<tool_response> error : malformed_json </tool_response>" and not done
@@ -64,12 +67,14 @@ def test_a_failed_call_is_answered_with_its_kind():
     ('<tool_call>{"name": "query_knowledge_base", "arguments": {"topic": "'
      + " ".join(f"w{i}" for i in range(250)) + '"}}</tool_call>', "malformed_json"),  # JSON over its limit
 ])
+@pytest.mark.lesson
 def test_each_failure_is_a_named_kind_never_an_exception(text, kind):
     env = fresh()
     _, _, info = env.step(text)
     assert info["failure"] == kind
 
 
+@pytest.mark.lesson
 def test_turn_limit_ends_the_episode():
     env = fresh(max_turns=2)
     _, done, _ = env.step(call("query_knowledge_base", topic=env.benchmark))
@@ -79,6 +84,7 @@ def test_turn_limit_ends_the_episode():
         env.step("<answer>x</answer>")
 
 
+@pytest.mark.lesson
 def test_rewards_against_hand_arithmetic():
     env = fresh()
     param, value = env.solution
@@ -96,6 +102,7 @@ def test_rewards_against_hand_arithmetic():
     assert rewards.sparse_reward(wrong) == -1.0 and rewards.shaped_reward(wrong) == pytest.approx(0.1)
 
 
+@pytest.mark.lesson
 def test_repeating_a_good_call_earns_nothing_more():
     env = fresh(max_turns=5)
     ep = [env.step(call("query_knowledge_base", topic=env.benchmark))[2] for _ in range(3)]

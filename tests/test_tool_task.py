@@ -52,7 +52,7 @@ def test_environment_tokens_get_mask_zero_and_attention_one(tiny, monkeypatch):
     for e in envs:
         e.reset(seed=5)
     batch, infos, turns = rollout.sample_episodes(rollout.Models(model, tok), [env.reset(seed=5)], envs, 2,
-                                                  tasks.Sampling(), STOP_STRINGS)
+                                                  tasks.Sampling())
     assert turns[0] == [call, answer] and infos[0][-1]["correct"]
     words = batch.texts[0].split()
     start, end = words.index("<tool_response>"), words.index("</tool_response>")
@@ -83,7 +83,7 @@ def test_masked_environment_tokens_do_not_move_the_loss(tiny):
     mask[0, -5:] = 0
     prompt = torch.tensor([tok("Use the tools", add_special_tokens=False)["input_ids"]])
     logp, _ = logprobs.completion_logprobs(model, Tokens(prompt, torch.ones_like(prompt), ids, torch.ones_like(ids)))
-    surrogate = lambda old: grpo.aggregate(-grpo.clipped_surrogate(logp, old, torch.tensor([1.0]), 0.2, 0.2)[0],
+    surrogate = lambda old: grpo.aggregate(-grpo.clipped_surrogate(torch.exp(logp - old), torch.tensor([1.0]), 0.2, 0.2)[0],
                                            mask, "token-mean", 1, int(mask.sum()), 24)
     old = logp.detach().clone()
     other = old.clone()
