@@ -128,7 +128,7 @@ def clipped_surrogate(ratio, adv, eps_low: float, eps_high: float):
     seq-mean-token-mean the loss is GSPO's mean over sequences of L_i, and unclipped
     dL_i/dlogp_it = -A_i * s_i / |y_i| (clipped: 0). A one-token sequence's s_i is its token
     ratio: the two levels then give the same loss. PPO's advantages are per token, so the
-    sequence level is GRPO's and RCE has no ratio (running/config.py refuses both).
+    sequence level is GRPO's and RCE has no ratio (running/checks.py refuses both).
     """
     a = adv.unsqueeze(1) if adv.dim() == 1 else adv                         # (n, 1) or (n, C)
     unclipped = ratio * a

@@ -40,7 +40,7 @@ How beta moves (`--kl-control`), once per step, from the measured KL of the step
             --kl-horizon (10000, TRL's default). Smooth and slow: at most 0.2 * N / horizon
             per step (0.13% at N = 64), where the reports' rules jump by x1.5 or x0.8. No clamp.
 
-The starting beta must lie in the rule's range (config.py refuses it otherwise; here it
+The starting beta must lie in the rule's range (running/checks.py refuses it otherwise; here it
 raises): a start outside would be clamped at the first update, a jump no rule asked for.
 
 A run starts at the reference, so KL starts at 0 and both adaptive rules first *lower* beta:

@@ -1,6 +1,6 @@
 """Reward functions: what the policy is paid for a completion.
 
-Workflow DSL (report 001, ../shared/seeds/001_*.txt). A completion must be a workflow, e.g.
+Workflow DSL (report 001, docs/reports.md). A completion must be a workflow, e.g.
 
     Custom -> Programmer -> Review ? Revise : done
 

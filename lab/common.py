@@ -8,7 +8,7 @@ from lab import compare
 from running import plots
 
 SEEDS, QUICK_SEEDS = 6, 2
-# Most experiments evaluate every 20 steps (10 until 2026-11-23), for the lab's 40 minutes:
+# Most experiments evaluate every 20 steps, to keep the lab within its time (docs/lab-notebook.md):
 # an evaluation has its own seed and leaves the training RNG alone (evaluate.sample_seeded),
 # so a run's trajectory and its end's numbers do not depend on how often it is evaluated;
 # kl_range and rce_grpo read every evaluation (the best one, early stopping) and keep 10, as
@@ -20,8 +20,9 @@ SEEDS, QUICK_SEEDS = 6, 2
 # at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at ~1e-5, and the
 # same 100x keeps each experiment's "moderate" and "aggressive" rates apart by the same
 # factor (an experiment that sets no --lr gets train.py's real-model default, 2e-5). A real
-# model's step takes 16.7 s on a 2-core CPU (`python -m lab.bench --model smollm2-135m`), so a
-# third of the steps. These are our choices, not tuned to any outcome.
+# model's step is far slower on a CPU (`python -m lab.bench --model smollm2-135m`; its figures
+# are in docs/performance.md), so a third of the steps. These are our choices, not tuned to any
+# outcome.
 REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3
 
 

@@ -7,7 +7,7 @@ Each quoted setting is a train.py command line (added to --common). Every settin
 seeds 0 .. S-1 into OUT/runs/<setting>/s<seed>/, all from the same cached warm start. It prints
 a Markdown table of the final held-out rates (mean ± std over seeds, [min-max]), how many
 runs ended off-format (held-out valid rate < 0.5), the crash-after-update rate and its
-floor (what a frozen policy would score at the same on-format rates: monitor.py), and
+floor (what a frozen policy would score at the same on-format rates: running/monitor.py), and
 draws OUT/compare.png: held-out best rate per step, a thin line per seed and the mean.
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
 
@@ -61,7 +61,7 @@ import train
 class Launch:
     """How each run is started."""
     jobs: int = 1        # runs at a time, each a process of its own when > 1
-    nproc: int = 1       # processes per run: > 1 starts each run under torchrun (distributed.py)
+    nproc: int = 1       # processes per run: > 1 starts each run under torchrun (running/distributed.py)
 
 
 def run_one(argv: list, launch: Launch) -> dict:
@@ -89,7 +89,7 @@ def run_one(argv: list, launch: Launch) -> dict:
 
 
 # Worker processes, started once and reused by every run: a process's imports (torch,
-# transformers) take about 8 s on a 2-core CPU, longer than a short run of the tiny model.
+# transformers) take seconds, longer than a short run of the tiny model.
 _POOLS: dict = {}
 
 

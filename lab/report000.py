@@ -49,7 +49,7 @@ def critic(lab: Lab) -> dict:
 
 def tools(lab: Lab) -> dict:
     """Sparse vs shaped reward for the tool agent (report 000)."""
-    # 100 steps, evaluations every 20 (150 and 10 until 2026-11-23): for the lab's 40 minutes
+    # 100 steps, evaluations every 20: the lab's time budget (docs/lab-notebook.md, the trims)
     r = lab.sweep("tools", ["--reward sparse", "--reward shaped"], "--task tools --steps 100 --eval-every 20",
                   ("eval_accuracy", "eval_tool_calls", "eval_tool_success_rate", "frac_adv_negative"))
     sparse, shaped = r.values()

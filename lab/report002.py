@@ -121,7 +121,7 @@ def fixed_vs_dynamic(lab: Lab) -> dict:
 
 def entropy(lab: Lab) -> dict:
     """With and without an entropy bonus; a too-high lr without clipping and the NaN guard (000, 002)."""
-    # 100 steps (150 until 2026-11-23), for the lab's 40 minutes
+    # 100 steps: the lab's time budget (docs/lab-notebook.md, the trims)
     r = lab.sweep("entropy", ["--entropy-coef 0", "--entropy-coef 0.01 --entropy-coef-end 0.001"],
                   "--k 8 --steps 100 --lr 1e-3 --eval-every 20", ("entropy", "eval_best_rate"))
     h = {s: [mean(x["entropy"] for x in metric_rows(run)[-10:] if x.get("entropy") is not None)
@@ -135,7 +135,7 @@ def entropy(lab: Lab) -> dict:
     stopped = sum(x["stopped"] is not None for x in no_clip + clip)
     no_bonus, bonus = h.values()
     # "higher" as in curriculum's rule: by more than the larger of the two spreads over seeds
-    # (until 2026-11-23 any higher mean counted, and one seed of six could decide it)
+    # (a higher mean alone let one seed of six decide it)
     higher = mean(bonus) - mean(no_bonus) > max(statistics.pstdev(no_bonus), statistics.pstdev(bonus))
     return dict(report="000, 002", figure="entropy/compare.png",
                 claim="without an entropy bonus the policy turns deterministic early; healthy entropy is 1.5-2.0 "

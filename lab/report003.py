@@ -14,7 +14,7 @@ def kl_range(lab: Lab) -> dict:
     settings = ["--kl-control range --kl-target-min 0.01 --kl-target-max 0.1 --kl-coef 1",
                 "--kl-control range --kl-target-min 0.05 --kl-target-max 0.2 --kl-coef 1",
                 "--kl-control fixed --kl-coef 0.1"]
-    # 60 steps (100 until 2026-11-23), for the lab's 40 minutes: README, "How long the whole lab takes"
+    # 60 steps: the lab's time budget (docs/lab-notebook.md, the trims, has what 100 steps gave)
     r = lab.sweep("kl_range", settings, "--epochs 5 --steps 60 --lr 1e-3",
                   ("kl_coef", "kl", "eval_reward_mean"), ("eval_reward_mean_end",))
     rows = {s: [metric_rows(x) for x in runs] for s, runs in r.items()}

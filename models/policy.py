@@ -2,8 +2,8 @@
 
 Default (no downloads, a laptop CPU): a tiny Qwen2ForCausalLM built from a config in code,
 with a word-level tokenizer built in code over the task's vocabulary, warm-started by a
-short supervised phase on the task's starting mix (workflow_task.py: report 001's 57% valid
-DSL / 43% `### Step 1` fallback text; tool_task.py: tool calls that sometimes work). The
+short supervised phase on the task's starting mix (tasks/workflow_task.py: report 001's 57% valid
+DSL / 43% `### Step 1` fallback text; tasks/tool_task.py: tool calls that sometimes work). The
 warm-started weights are cached under .cache/warmstart/, keyed by every setting that shapes
 them, so the second run starts at once.
 
@@ -53,7 +53,7 @@ def build_tokenizer(words: list) -> PreTrainedTokenizerFast:
 
 def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape) -> Qwen2Config:
     """A Qwen2 config over tok's vocabulary: 4 heads (2 for keys and values), a 4 x hidden MLP
-    and tied embeddings, unless shape says otherwise (bench.py's larger shapes, the tests')."""
+    and tied embeddings, unless shape says otherwise (lab/bench.py's larger shapes, the tests')."""
     shape = dict(dict(intermediate_size=4 * hidden, num_attention_heads=4, num_key_value_heads=2), **shape)
     return Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                        max_position_embeddings=max_positions, tie_word_embeddings=True,
@@ -269,8 +269,8 @@ def format_prompt(tok, text: str, system: str) -> str:
 def bf16_matmul_is_faster(n: int = 512, repeats: int = 3) -> bool:
     """Time one n x n matmul in bf16 and in float32 on this CPU. A CPU with bf16 instructions
     (AMX, AVX512-BF16) runs bf16 about twice as fast; one without them emulates it, and then
-    bf16 is far slower (measured on this project's 2-core AMD EPYC, AVX2 only: 10 matmuls
-    of 1024 x 1024 took 0.119 s in float32 and 22.0 s in bf16, `python -m lab.bench bf16`)."""
+    bf16 is far slower (`python -m lab.bench bf16` measures it; docs/performance.md has the
+    figures of this project's machine)."""
     def best(dtype):
         a = torch.randn(n, n).to(dtype)
         times = []

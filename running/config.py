@@ -38,7 +38,7 @@ GRPO, PPO = grpo.HyperParams, ppo.PPOParams
 
 @dataclass
 class Config:
-    task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tool_task.py)",
+    task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tasks/tool_task.py)",
                     choices=tuple(tasks.TASKS))
     reward: str = opt("shaped", "tools task: sparse +-1, report 000's shaped reward, or the format reward; "
                       "dsl task: shaped (report 001's 1 / 0.2 / 0) or composite (report 003's: rewards.py)",

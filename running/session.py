@@ -125,8 +125,8 @@ def draw_prompts(run: Run, difficulty: int) -> list:
 
 def load(cfg: Config, task, device: str, log):
     """The policy and its tokenizer on device, dropout off: a real model (--model: a named
-    model, a folder, a hub id; pretrained.py) or the tiny model built in code, each
-    warm-started on the task's mix (policy.py) unless --sft-steps 0; then, with --init-from,
+    model, a folder, a hub id; models/pretrained.py) or the tiny model built in code, each
+    warm-started on the task's mix (models/policy.py) unless --sft-steps 0; then, with --init-from,
     another run's weights (checkpoint.starting_point)."""
     default = policy.WARM_START["real" if cfg.model else "tiny"]
     warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,

@@ -1,7 +1,7 @@
 """What a task is to the trainer: the interface written down once, and the two tasks that have it.
 
 A task is a module: workflow_task.py (report 001's workflow DSL) and tool_task.py (report
-000's multi-turn tool calling). train.py and policy.py use a task only through the names
+000's multi-turn tool calling). train.py and models/policy.py use a task only through the names
 of `Task` below, so a new task is a module with these names, added to TASKS.
 
 `Sampling` is the part of the run's configuration a task reads (config.sampling builds it

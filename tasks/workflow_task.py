@@ -15,7 +15,7 @@ The warm-start mix imitates report 001's starting point (570 outputs: 57.2% vali
 share we give the best workflow probability BEST_SHARE_OF_VALID; the report does not say
 how often the 0.2-or-1.0 patterns were right, so that number is our choice.
 
-The task's interface to train.py and policy.py is tasks.Task (tool_task.py has it too).
+The task's interface to train.py and models/policy.py is tasks.Task (tool_task.py has it too).
 """
 import random
 
@@ -90,7 +90,7 @@ BEST_SHARE_OF_VALID = 0.35   # our choice: P(best | valid DSL) in the warm-start
 
 
 def prompts(split: str, difficulty: int = 1) -> list[dict]:
-    """The task has one difficulty (MAX_DIFFICULTY): config.py refuses --difficulty above it."""
+    """The task has one difficulty (MAX_DIFFICULTY): running/checks.py refuses --difficulty above it."""
     return make_prompts(split)
 
 
@@ -123,7 +123,7 @@ def warmstart_completion(ptype: str, rng: random.Random) -> str:
 
 def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[list[tuple[str, bool]]]:
     """n supervised examples, each a list of (text, trained) segments: the prompt (not
-    trained on) and a completion from the mix (trained on, its EOS added by policy.py)."""
+    trained on) and a completion from the mix (trained on, its EOS added by models/policy.py)."""
     chosen = rng.choices(make_prompts("train"), k=n)
     return [[(p["text"], False), (warmstart_completion(p["type"], rng), True)] for p in chosen]
 

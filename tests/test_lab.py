@@ -1,5 +1,5 @@
 """The lab end to end in --quick mode (2 seeds, a few steps): every experiment runs, draws its
-figure and gets a verdict computed from its numbers; and bench.py measures a step."""
+figure and gets a verdict computed from its numbers; and lab/bench.py measures a step."""
 import json
 
 from lab import bench

@@ -235,7 +235,7 @@ def test_bad_rce_and_two_stage_flags_exit_2_naming_the_flag(argv, flag, tmp_path
 def test_compare_checkpoints_evaluates_the_warm_start_and_every_checkpoint(tmp_path, capsys, monkeypatch):
     run(tmp_path, "r", "--save-every", "1", "--reward", "composite")
     out = tmp_path / "ck"
-    monkeypatch.setattr("sys.argv", ["compare.py"])
+    monkeypatch.setattr("sys.argv", ["lab/compare.py"])
     compare.checkpoints_main([str(tmp_path / "r"), "--samples", "2", "--out", str(out)])
     result = json.loads((out / "checkpoints.json").read_text())
     assert [s for s, _ in result["runs"][str(tmp_path / "r")]] == [1, 2, 3]

@@ -1,5 +1,5 @@
 """The lessons on a real pretrained LLM: SmolLM2-135M-Instruct, fetched and converted once
-(pretrained.py; found in the user's cache on a second run), on a CPU.
+(models/pretrained.py; found in the user's cache on a second run), on a CPU.
 
 What a reader of a real-model run relies on, each checked here:
 - the converted folder is a plain Hugging Face model (no gguf needed to load it) that still
@@ -12,8 +12,8 @@ What a reader of a real-model run relies on, each checked here:
 - one GRPO step and one PPO step through train.py change the weights, and the checkpoint
   they write loads with plain transformers.
 
-2 min 42 s on 2 CPU cores (`python -m pytest -q tests/test_real_model.py --durations=5`,
-2026-11-24): the warm start 63 s, each RL step 32 s (--eval-prompts 4).
+Its time on 2 CPU cores is in docs/performance.md (`python -m pytest -q tests/test_real_model.py
+--durations=5`); the RL steps evaluate 4 held-out prompts (--eval-prompts 4) to keep it short.
 """
 import subprocess
 import sys
