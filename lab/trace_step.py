@@ -1,0 +1,90 @@
+"""What a reader follows through one training step: the project's files and functions it enters.
+
+    python -m lab.trace_step                     # step 2 of `python train.py --k 8 --norm global`
+    python -m lab.trace_step --algo ppo          # any train.py flags
+
+It runs a 2-step run of the tiny model (a short warm start, into a temporary folder) and records,
+with Python's profiler hook, every call into this repository's code during step 2 (from the
+step's start to the next one's, bookkeeping and logs included; the held-out evaluation is not
+due at step 2). It prints the files entered, the distinct functions per file and how many calls
+each file received. Comprehensions, generator expressions and lambdas are not counted as
+functions; a function's calls to torch or transformers are not followed.
+"""
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SKIP = ("<listcomp>", "<genexpr>", "<lambda>", "<dictcomp>", "<setcomp>", "<module>")
+
+
+class Tracer:
+    """Records (file, function) of every call into the repository while `on`."""
+
+    def __init__(self):
+        self.on, self.calls = False, Counter()
+
+    def __call__(self, frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and self.on and not name.startswith("<") and name != __file__:
+            path = Path(name).resolve()
+            if path.is_relative_to(ROOT) and "tests" not in path.parts and frame.f_code.co_name not in SKIP:
+                self.calls[(str(path.relative_to(ROOT)), frame.f_code.co_qualname)] += 1
+
+
+def trace(argv: list) -> Counter:
+    """The calls of step 2 of a train.py run with argv (plus a short run's flags)."""
+    import train
+    try:
+        from running import config
+    except ImportError:                         # the code before issue 32: flat modules
+        import config
+    tracer, starts = Tracer(), []
+
+    def window(step_start):                     # wraps the function that starts a step
+        def wrapped(*args, **kwargs):
+            starts.append(1)
+            tracer.on = len(starts) == 2        # on during step 2 only
+            return step_start(*args, **kwargs)
+        return wrapped
+    if hasattr(train, "one_step"):              # the code before issue 32: one function per step
+        one_step = train.one_step
+
+        def traced(*args, **kwargs):
+            starts.append(1)
+            tracer.on = len(starts) == 2
+            try:
+                return one_step(*args, **kwargs)
+            finally:
+                tracer.on = False
+        train.one_step = traced
+    else:                                       # today: the loop's body, from begin_step on
+        train.begin_step = window(train.begin_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--steps", "3", "--sft-steps", "30", "--eval-every", "10", "--quiet",
+                 "--cache-dir", f"{tmp}/cache", "--out", f"{tmp}/run", *argv]
+        sys.setprofile(tracer)
+        try:
+            train.train(config.parse_config(flags))
+        finally:
+            sys.setprofile(None)
+    return tracer.calls
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    calls = trace(argv)
+    by_file, functions = Counter(), defaultdict(set)
+    for (path, name), n in calls.items():
+        by_file[path] += n
+        functions[path].add(name)
+    print(f"step 2 of `python train.py {' '.join(argv)}`: {len(by_file)} files, "
+          f"{len(calls)} distinct functions, {sum(calls.values())} calls")
+    for path, n in sorted(by_file.items(), key=lambda kv: -kv[1]):
+        print(f"  {path:28s} {len(functions[path]):3d} functions {n:5d} calls   {', '.join(sorted(functions[path]))}")
+
+
+if __name__ == "__main__":
+    main()
