@@ -75,16 +75,24 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
 
 # ---- checks and small helpers ----
 
+def group_size_problem(k: int, norm: str) -> str | None:
+    """Why K samples per prompt cannot feed this estimator, or None (train.py's --k is checked
+    with this rule too)."""
+    if k < 1:
+        return f"k must be >= 1, got {k}"
+    if norm in GROUP_NORMS and k < 2:
+        return f"norm {norm!r} compares samples within a group and needs k >= 2, got k={k}"
+    return None
+
+
 def _check(rewards: torch.Tensor, k: int, norm: str) -> None:
     """Raise ValueError, saying what is wrong, for input no estimator can use."""
     if norm not in NORMS:
         raise ValueError(f"unknown norm {norm!r}; expected one of {', '.join(NORMS)}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N = B*K), got shape {tuple(rewards.shape)}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if norm in GROUP_NORMS and k < 2:
-        raise ValueError(f"norm {norm!r} compares samples within a group and needs k >= 2, got k={k}")
+    if group_size_problem(k, norm):
+        raise ValueError(group_size_problem(k, norm))
     if rewards.numel() == 0 or rewards.numel() % k != 0:
         raise ValueError(f"N={rewards.numel()} rewards cannot be split into groups of k={k}")
     if not torch.isfinite(rewards).all():

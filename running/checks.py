@@ -34,9 +34,8 @@ def validate(cfg):
     need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {cfg.seed}")
     need(0 <= cfg.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {cfg.sft_seed}")
     need(cfg.sft_lr >= 0, "sft-lr", f"must be > 0 (or 0 = the default), got {cfg.sft_lr}")
-    need(cfg.k >= 1, "k", f"must be >= 1, got {cfg.k}")
-    need(cfg.norm not in advantages.GROUP_NORMS or cfg.k >= 2, "k",
-         f"norm {cfg.norm!r} compares samples within a group and needs --k >= 2, got {cfg.k}")
+    problem = advantages.group_size_problem(cfg.k, cfg.norm)       # the estimator's own rule
+    need(not problem, "k", problem)
     need(cfg.algo != "rce" or cfg.k >= 2, "k", f"--algo rce weighs the K samples of a prompt against each "
          f"other and needs --k >= 2, got {cfg.k}")
     need(cfg.algo != "rce" or (cfg.beta == 0 and cfg.kl_control == "fixed"), "beta",
