@@ -87,3 +87,14 @@ def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
     assert runs["1"][0] == runs["4"][0] and runs["1"][1] == runs["4"][1]
     assert all(r["updated"] for r in runs["1"][0][1:]), "the runs trained"
     assert (runs["1"][2], runs["4"][2]) == (5, 2), "evaluated at steps 0-4, and at steps 0 and 4"
+
+
+def test_same_metrics_finds_a_changed_number_and_ignores_seconds(tmp_path, capsys):
+    from lab import same_metrics
+    row = {"step": 1, "loss": 0.5, "seconds": 1.0, "alerts": ["entropy_low"], "kl": None}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps(dict(row, seconds=9.0)) + "\n")
+    (tmp_path / "c.jsonl").write_text(json.dumps(dict(row, loss=0.5 * (1 + 1e-4))) + "\n")
+    assert same_metrics.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
+    assert same_metrics.main([str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")]) == 1
+    assert "step 1.loss" in capsys.readouterr().out
