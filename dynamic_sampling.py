@@ -13,8 +13,9 @@ differ (verl: algorithm.filter_groups; TRL only logs frac_reward_zero_std):
 
 R is the cap (--max-sampling-rounds). At the cap the step trains on the groups it kept,
 fewer than B (verl stops the run with an error there; here the run goes on and logs
-`groups_kept`); with none kept it trains on the last round as sampled, which under a group
-baseline means no update (every advantage is 0). Everything after the
+`groups_kept`); with none kept it returns the last round as sampled, and train.py takes no
+update that step (`update_skipped: no_group_kept`; under --norm global those rejected groups'
+advantages would not be 0). Everything after the
 filter (the advantages, their global or batch statistics, the loss's token counts) is
 computed over the kept groups only. A group holding a non-finite reward is kept, so that
 train.rl_step's guard sees it, counts it and skips the update.

@@ -84,25 +84,40 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
     algo = ALGOS[hp.algo]
     if finite:
         algo.prepare(batch, hp)                    # advantages: (N,) GRPO, (N, C) PPO; RCE's weights
-    else:
-        # A reward function returned NaN/inf: no update this step, and the bad values are
-        # never averaged into any metric.
+    else:                                          # the bad rewards never reach a metric
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
     row = dict(report.rollout_metrics(batch, outcomes, learner.task, hp), **extra)
-    stats = report.no_update() if finite else report.no_update("reward")
-
-    # GRPO without KL or entropy terms has nothing to learn from all-zero advantages (and
-    # AdamW's momentum would still move the weights); PPO always has its value loss.
-    no_signal = hp.algo == "grpo" and not distributed.any_rank((batch.advantages != 0).any()) \
-        and hp.beta == 0 and hp.entropy_coef == 0
-    all_fallback = hp.skip_all_fallback and row.get("fallback_rate") == 1.0     # the whole batch's
-    if finite and not no_signal and not all_fallback:
+    row["update_skipped"] = why_no_update(batch, row, hp, finite)
+    stats = report.no_update("reward") if not finite else report.no_update()
+    if row["update_skipped"] is None:
         with learner.autocast():
             stats = update.update(learner.scorer, learner.optimizer, batch, hp, algo.loss)
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")
     return batch, outcomes, prompts, row, stats
+
+
+def why_no_update(batch, row: dict, hp: grpo.HyperParams, finite: bool) -> str | None:
+    """Why this step takes no update, or None; the same answer on every rank (any_rank), or one
+    rank would wait forever in a collective the others skip.
+
+    non_finite_reward  a reward function returned NaN/inf (counted as a non-finite step)
+    no_group_kept      --dynamic-sampling found no group whose rewards differ in its rounds
+                       (verl raises; under --norm global the rejected groups would train)
+    no_signal          GRPO without KL or entropy terms and every advantage 0 (AdamW's
+                       momentum would still move the weights); PPO always has its value loss
+    all_fallback       report 001's guard (--skip-all-fallback): every sample is fallback text"""
+    if not finite:
+        return "non_finite_reward"
+    if row.get("groups_kept") == 0:
+        return "no_group_kept"
+    if hp.algo == "grpo" and hp.beta == 0 and hp.entropy_coef == 0 \
+            and not distributed.any_rank((batch.advantages != 0).any()):
+        return "no_signal"
+    if hp.skip_all_fallback and row.get("fallback_rate") == 1.0:          # the whole batch's
+        return "all_fallback"
+    return None
 
 
 def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:

@@ -132,6 +132,9 @@ def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
         run.kl_control.update(row["kl"])                  # beta for the next step
     collapsed = state.count(step, stats, row[run.learner.task.FORMAT_KEY], cfg.n)
     row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
+    if row.get("update_skipped") == "no_group_kept":
+        run.log(f"step {step}: dynamic sampling: no group's {cfg.k} rewards differed in "
+                f"{row['sampling_rounds']} rounds of {cfg.batch} prompts; no update this step")
     if stats["nonfinite"] == ["logits"]:
         run.log(f"step {step}: non-finite logits: nothing could be sampled, step skipped "
                 f"({state.skipped} so far, --max-skips {cfg.max_skips})")

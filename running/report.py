@@ -18,6 +18,10 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               taken): token means over the last epoch; approx_kl =
                               E[(ratio - 1) - log ratio]; loss and grad_norm are means over
                               the last epoch's mini-batches, grad_norm before clipping
+    update_skipped            why the step took no update, or null: non_finite_reward,
+                              no_group_kept (--dynamic-sampling), no_signal (GRPO, every
+                              advantage 0, no KL or entropy term), all_fallback
+                              (--skip-all-fallback): train.why_no_update
     steps_taken               optimizer steps applied this step (epochs x mini-batches,
                               minus skipped ones)
     epochs_run                epochs actually run (fewer when --target-kl stopped them)

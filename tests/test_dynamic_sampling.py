@@ -91,6 +91,22 @@ def test_a_run_with_dynamic_sampling_logs_its_rounds_and_trains_on_differing_gro
             assert r["frac_zero_std_groups"] == 0.0, "a kept batch holds no zero-variance group"
 
 
+@pytest.mark.parametrize("norm", ["global", "group"])
+def test_with_no_group_kept_the_step_takes_no_update_and_says_why(norm, tmp_path, monkeypatch, capsys):
+    """Issue 33: under --norm global the rejected groups' advantages are not 0 ([-1, -1, 1, 1]
+    for two groups of equal rewards 0 and 1); training on them would be training on what the
+    filter refused. verl raises; here the step is skipped, logged with its reason."""
+    monkeypatch.setattr(dynamic_sampling, "informative", lambda rewards, k: torch.zeros(len(rewards) // k, dtype=torch.bool))
+    argv = quick(tmp_path, "none", "--dynamic-sampling", "--max-sampling-rounds", "2", "--norm", norm)
+    argv.remove("--quiet")
+    train.train(config.parse_config(argv))
+    rows = [json.loads(x) for x in (tmp_path / "none" / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert all(r["groups_kept"] == 0 and r["sampling_rounds"] == 2 for r in rows)
+    assert all(r["update_skipped"] == "no_group_kept" and r["steps_taken"] == 0 and r["skipped_nonfinite"] == 0
+               for r in rows)
+    assert "dynamic sampling: no group's 4 rewards differed in 2 rounds" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--dynamic-sampling", "--algo", "ppo"], "--dynamic-sampling"),
     (["--dynamic-sampling", "--algo", "rce"], "--dynamic-sampling"),

@@ -42,7 +42,8 @@ COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet"
 ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
 # Measurements added after the redesign, which read the policy and change nothing it learns:
 # issue 18's answer NLL at each held-out evaluation; issue 17's task difficulty of each step.
-MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty"}
+# Issue 33's update_skipped, the reason a step took no update (null when it took one).
+MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty", "update_skipped"}
 
 
 def run(name: str, tmp: Path) -> list[dict]:
