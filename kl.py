@@ -24,6 +24,18 @@ all six claims on an exact categorical distribution.
 
 Where the KL goes (`--kl-in`): PPO's habit is a per-token penalty in the *reward*
 (r_t -= beta * kl_t, so GAE carries it); GRPO's is a term in the *loss* (+ beta * kl_t).
+In the reward an estimator is a number per sample, not differentiated: it acts through the
+score function, E[k grad log pi], and the lesson turns around:
+
+    reward k1: E[log(pi/ref) grad log pi]                     = grad KL(policy || reference)
+    reward k3: E[(ref/pi - 1 + log(pi/ref)) grad log pi]      = grad KL(policy || reference)
+                                                                - grad KL(reference || policy)
+
+The two terms of k3's cancel to first order near the reference, where a run starts: by exact
+enumeration over 7 words, k3 in the reward keeps a few percent of the pull (tests/test_kl.py).
+So the reward side takes k1 (as TRL, verl and OpenRLHF do) and the loss side k3: the
+command line's `--kl-estimator auto` resolves to one or the other by `--kl-in`, and
+train.py warns when k2 or k3 is asked for in the reward.
 
 How beta moves (`--kl-control`), once per step, from the measured KL of the step's rollouts
 (the token mean of k3):
@@ -52,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 ESTIMATORS = ("k1", "k2", "k3")
+REWARD_ESTIMATOR, LOSS_ESTIMATOR = "k1", "k3"      # --kl-estimator auto, by where the KL goes
 CONTROLS = ("fixed", "ratio", "range", "proportional")
 
 

@@ -49,7 +49,8 @@ import logprobs
 class PPOParams(grpo.HyperParams):
     """GRPO's knobs and the critic's (the defaults are the command line's)."""
     algo: str = "ppo"
-    kl_in_reward: bool = True        # PPO's habit: the KL is a reward penalty (--kl-in auto)
+    kl_in_reward: bool = True        # PPO's habit: the KL is a reward penalty (--kl-in auto) ...
+    kl_estimator: str = "k1"         # ... estimated by k1 there (kl.py: k3 in a reward hardly pulls)
     gamma: float = 1.0               # discount per token
     lam: float = 0.95                # GAE lambda
     vf_coef: float = 0.5             # weight of the value loss

@@ -96,7 +96,8 @@ class Config:
     kl_horizon: float = opt(10000.0, "proportional control: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon")
     kl_target_min: float = opt(0.01, "range control: lower beta below this KL")
     kl_target_max: float = opt(0.1, "range control: raise beta above this KL")
-    kl_estimator: str = opt(GRPO.kl_estimator, "per-token KL estimator", choices=kl.ESTIMATORS)
+    kl_estimator: str = opt("auto", "per-token KL estimator; auto = k1 in the reward, k3 in the loss (kl.py: "
+                            "in the reward k3's pull nearly cancels)", choices=("auto", *kl.ESTIMATORS))
     kl_in: str = opt("auto", "where the KL goes: loss (GRPO's habit), reward (PPO's); auto = by --algo",
                      choices=("auto", "loss", "reward"))
     # PPO's critic (ppo.py)
@@ -189,7 +190,7 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         k=cfg.k, norm=cfg.norm, unbiased=cfg.unbiased, adv_clip=cfg.adv_clip or None,
         kl_in_reward=cfg.kl_in_reward,
         clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, ratio_level=cfg.ratio_level,
-        beta=cfg.beta, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
+        beta=cfg.beta, kl_estimator=kl_estimator(cfg), entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
         max_len=new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1),
         temperature=cfg.temperature,
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
@@ -200,6 +201,13 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
     if cfg.algo == "rce":
         return rce.RCEParams(**common, rce_temp=cfg.rce_temp_start)
     return grpo.HyperParams(**common)
+
+
+def kl_estimator(cfg: Config) -> str:
+    """--kl-estimator, auto resolved by where the KL goes: k1 in the reward, k3 in the loss."""
+    if cfg.kl_estimator != "auto":
+        return cfg.kl_estimator
+    return kl.REWARD_ESTIMATOR if cfg.kl_in_reward else kl.LOSS_ESTIMATOR
 
 
 def new_tokens(cfg: Config) -> int:

@@ -143,3 +143,46 @@ def test_k3_in_the_loss_gives_the_gradient_of_the_forward_kl_reference_to_policy
     torch.testing.assert_close(value, EXACT)                          # an unbiased value of KL(pi||ref) ...
     torch.testing.assert_close(grad, closed_form_gradient("ref||policy"))  # ... pulls on KL(ref||pi)
     assert not torch.allclose(grad, closed_form_gradient("policy||ref"), atol=1e-3)
+
+
+# ---- the estimator as a reward penalty: it acts through the score function ----
+
+def reward_side_gradient(estimator, pi_logits, ref):
+    """E_{x ~ pi}[k(x) grad log pi(x)], exactly over the vocabulary: the gradient a reward
+    penalty r -= beta * k gives (PPO's --kl-in reward), k a number per sample, not differentiated."""
+    logits = pi_logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(logits, -1)
+    k = kl.estimate(logp.detach(), ref.log(), estimator)                         # (V,) per outcome
+    (grad,) = torch.autograd.grad((logp.exp().detach() * k * logp).sum(), logits)
+    return grad
+
+
+def exact_gradients(pi_logits, ref):
+    """grad KL(pi || ref) and grad KL(ref || pi), by autograd on the closed forms."""
+    out = []
+    for which in ("policy||ref", "ref||policy"):
+        logits = pi_logits.clone().requires_grad_(True)
+        pi = torch.softmax(logits, -1)
+        divergence = (pi * (pi / ref).log()).sum() if which == "policy||ref" else (ref * (ref / pi).log()).sum()
+        out.append(torch.autograd.grad(divergence, logits)[0])
+    return out
+
+
+def test_in_the_reward_k1_gives_the_kl_gradient_and_k3_nearly_cancels_near_the_reference():
+    """Issue 33: the same estimators in the other place. As a reward penalty (PPO's habit) an
+    estimator k acts through E_pi[k grad log pi]: k1 = log(pi/ref) gives exactly grad
+    KL(pi||ref), as TRL, verl and OpenRLHF use it there; k3 gives grad KL(pi||ref) - grad
+    KL(ref||pi), which cancels to first order near the reference, where PPO starts."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.softmax(torch.randn(7, generator=gen, dtype=torch.float64), -1)     # a 7-word reference
+    direction = torch.randn(7, generator=gen, dtype=torch.float64)
+    shares = []
+    for scale in (0.03, 0.1, 0.3, 1.0):                # the policy moved away from the reference
+        pi_logits = ref.log() + scale * direction
+        forward, backward = exact_gradients(pi_logits, ref)
+        torch.testing.assert_close(reward_side_gradient("k1", pi_logits, ref), forward)
+        k3 = reward_side_gradient("k3", pi_logits, ref)
+        torch.testing.assert_close(k3, forward - backward)
+        shares.append((k3.norm() / forward.norm()).item())
+    assert shares[0] < 0.05, f"near the reference k3 in the reward keeps {shares[0]:.1%} of the pull"
+    assert shares == sorted(shares), "and it recovers only as the policy moves away"

@@ -9,7 +9,7 @@ from running import config
 import logprobs
 import ppo
 import train
-from conftest import ppo_update, synthetic_batch, tiny_model
+from conftest import ppo_update, quick, synthetic_batch, tiny_model
 from ppo import PPOParams
 
 
@@ -172,3 +172,18 @@ def test_bad_ppo_and_kl_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_pat
     with pytest.raises(SystemExit) as e:
         config.parse_config(argv + ["--out", str(tmp_path / "x")])
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_the_kl_in_the_reward_defaults_to_k1_and_k3_there_is_warned_about(tmp_path, capsys):
+    """Issue 33: k3 as a reward penalty hardly pulls toward the reference (tests/test_kl.py);
+    --kl-estimator auto puts k1 in the reward and k3 in the loss, and k3 in the reward is said."""
+    def estimator(*flags):
+        return config.hyper_params(config.parse_config(quick(tmp_path, "x", "--beta", "0.05", *flags))).kl_estimator
+    assert estimator("--algo", "ppo") == "k1"                       # PPO: the KL in the reward
+    assert estimator() == "k3"                                      # GRPO: in the loss
+    assert estimator("--algo", "ppo", "--kl-in", "loss") == "k3"
+    assert estimator("--kl-in", "reward") == "k1"
+    assert estimator("--algo", "ppo", "--kl-estimator", "k2") == "k2"  # asked for: kept, and warned about
+    train.train(config.parse_config(quick(tmp_path, "run", "--algo", "ppo", "--beta", "0.05", "--kl-estimator", "k3",
+                                          "--steps", "1")))
+    assert "warning: --kl-estimator k3 in the reward" in capsys.readouterr().err
