@@ -43,6 +43,11 @@ def validate(cfg):
     need(cfg.ratio_level == "token" or cfg.algo == "grpo", "ratio-level",
          f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} "
          + ("has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)"))
+    for name, algos in USED_BY.items():            # a flag acts in every algorithm that accepts it
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        need(cfg.algo in algos or getattr(cfg, name) == default, name.replace("_", "-"),
+             f"only --algo {' and '.join(algos)} {'uses' if len(algos) == 1 else 'use'} it; --algo {cfg.algo} "
+             f"would ignore it (leave it at {default!r})")
     need(not cfg.dynamic_sampling or cfg.algo == "grpo", "dynamic-sampling",
          f"drops the groups a group baseline gives advantage 0; --algo {cfg.algo} "
          + ("gives every token a baseline from its critic" if cfg.algo == "ppo" else "imitates them instead"))
@@ -155,6 +160,20 @@ def validate(cfg):
     # the one side effect of validation: the run's folder
     need(writable(out), "out", f"cannot create or write to the folder {str(out)!r}")
     return cfg
+
+
+# Flags that only some algorithms read (the step of another would silently ignore them): set
+# to anything but their default with another --algo, they are refused. --ratio-level,
+# --dynamic-sampling, --critic, --critic-lr and RCE's --beta have checks of their own above,
+# which say why; --kl-estimator and --kl-in act only with --beta > 0, which RCE refuses.
+USED_BY = {
+    "norm": ("grpo",), "unbiased": ("grpo",), "adv_clip": ("grpo",),     # GRPO's advantages; PPO: GAE
+    "clip_eps": ("grpo", "ppo"), "clip_eps_high": ("grpo", "ppo"),        # RCE has no ratio
+    "loss_agg": ("grpo", "ppo"), "target_kl": ("grpo", "ppo"),            # RCE: its own mean, no approx_kl
+    "entropy_coef": ("grpo", "ppo"), "entropy_coef_end": ("grpo", "ppo"), # RCE's loss has no entropy term
+    "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",), "value_clip": ("ppo",),   # the critic's
+    "rce_temp_start": ("rce",), "rce_temp_end": ("rce",),
+}
 
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints")

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from lab import bench
 from running import checkpoint
 from lab import compare
+from running import checks
 from running import config
 import logprobs
 from lab import main as lab
@@ -44,6 +45,31 @@ def exits_2(capsys, call, flag):
 
 
 # ---- inputs: one line, exit 2, before any work ----
+
+# a value other than each flag's default (issue 33: a flag acts in every algorithm that
+# accepts it, or is refused naming the algorithms that use it)
+NOT_DEFAULT = {"norm": "group", "unbiased": None, "adv_clip": "3", "clip_eps": "0.1", "clip_eps_high": "0.28",
+               "loss_agg": "constant", "target_kl": "0.02", "entropy_coef": "0.01", "entropy_coef_end": "0.001",
+               "gamma": "0.99", "lam": "0.9", "vf_coef": "1.0", "value_clip": "0.1", "rce_temp_start": "1.0",
+               "rce_temp_end": "0.7"}
+PAIRS = [(name, algo) for name, algos in checks.USED_BY.items() for algo in ("grpo", "ppo", "rce") if algo not in algos]
+
+
+def test_every_algorithm_only_flag_is_in_the_table():
+    assert set(NOT_DEFAULT) == set(checks.USED_BY)
+
+
+@pytest.mark.parametrize("name, algo", PAIRS)
+def test_a_flag_an_algorithm_ignores_is_refused_naming_who_uses_it(name, algo, tmp_path, capsys):
+    flag = "--" + name.replace("_", "-")
+    value = [] if NOT_DEFAULT[name] is None else [NOT_DEFAULT[name]]
+    exits_2(capsys, lambda: config.parse_config(quick(tmp_path, "r", "--algo", algo, flag, *value)), flag)
+
+
+@pytest.mark.parametrize("name, algo", [(n, a) for n, algos in checks.USED_BY.items() for a in algos])
+def test_the_same_flag_is_accepted_where_it_acts(name, algo, tmp_path):
+    value = [] if NOT_DEFAULT[name] is None else [NOT_DEFAULT[name]]
+    config.parse_config(quick(tmp_path, "r", "--algo", algo, "--" + name.replace("_", "-"), *value))
 
 def saved_model(folder: Path) -> Path:
     from transformers import Qwen2ForCausalLM
