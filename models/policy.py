@@ -51,6 +51,26 @@ def build_tokenizer(words: list) -> PreTrainedTokenizerFast:
     return tok
 
 
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(folder: Path):
+    """A saved tokenizer, as it was saved. AutoTokenizer (transformers 5) gives a folder whose
+    config.json says qwen2 the Qwen2 tokenizer class, whatever its tokenizer_config.json says,
+    and that class reads the tiny model's word-level tokenizer.json as byte-pair pieces: a
+    checkpoint of the tiny model would encode "### Step 1 : Analyze" as 3 wrong tokens and
+    decode them as "1:a", and the report's fallback would be counted as junk. A folder whose
+    tokenizer_config.json names the generic class (what save_pretrained writes for a tokenizer
+    built in code) is loaded as that class, from its tokenizer.json; any other by AutoTokenizer."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        named = None
+    if named in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
 def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape) -> Qwen2Config:
     """A Qwen2 config over tok's vocabulary: 4 heads (2 for keys and values), a 4 x hidden MLP
     and tied embeddings, unless shape says otherwise (lab/bench.py's larger shapes, the tests')."""
@@ -139,7 +159,7 @@ def cached(path: Path, build, log=print):
     if (path / "config.json").exists():
         log(f"warm-start: loaded from cache {path}")
         return (AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32),
-                AutoTokenizer.from_pretrained(path, local_files_only=True))
+                load_tokenizer(path))
     model, tok = build()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -187,7 +207,7 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
     on device, checked (logprobs.check_logprobs), warm-started on the task's mix when
     warm.steps > 0 and cached under cache_dir, keyed by the model and every warm-start setting."""
     def load():            # checked here, so a model we would get wrong is refused before any warm-up
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tok = load_tokenizer(Path(folder))
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         error = logprobs.check_logprobs(model)
         if not error < 1e-3:
