@@ -189,14 +189,17 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
     n = len(batch.completion_ids)
     size = sampling.forward_batch or n
 
-    def forward(m, hidden=False):        # (N, C) log-probs [and (N, C, H) hidden states]
-        parts = [completion_logprobs(m, batch.tokens(slice(i, i + size)), sampling.temperature,
-                                     return_hidden=hidden) for i in range(0, n, size)]
-        return torch.cat([p[0] for p in parts]), (torch.cat([p[2] for p in parts]) if hidden else None)
+    def forward(m, critic=None):     # (N, C) log-probs [and the critic's (N, C) values], by chunks
+        logps, values = [], []
+        for i in range(0, n, size):
+            tokens = batch.tokens(slice(i, i + size))
+            logp, _, *h = completion_logprobs(m, tokens, sampling.temperature, return_hidden=critic is not None)
+            logps.append(logp)                                                         # h: [(n, C, H)] or []
+            if critic is not None:       # a value head reads h; a critic of its own runs its trunk here
+                values.append(critic.values(tokens, h[0]))
+        return torch.cat(logps), (torch.cat(values) if critic is not None else None)
     if record_old_logp or models.value_head is not None:
-        batch.old_logp, h = forward(models.model, hidden=models.value_head is not None)   # (N, C)
-        batch.old_values = models.value_head.values(batch.tokens(), h) \
-            if models.value_head is not None else None                                       # (N, C)
+        batch.old_logp, batch.old_values = forward(models.model, models.value_head)       # (N, C) each
     batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None          # (N, C)
     return batch
 

@@ -105,3 +105,25 @@ def test_bad_critic_flags_exit_2_naming_the_flag(argv, flag, tmp_path, capsys):
         config.parse_config(argv + ["--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_the_critic_scores_the_rollouts_micro_batch_by_micro_batch(critic, tmp_path):
+    """Issue 33: --micro-batch bounds every forward, the critic's too (a separate critic ran its
+    trunk over all N sequences at once); the values equal one forward over the whole batch."""
+    import rollout
+    import tasks
+    model = tiny_model()
+    head = ppo.Critic(model) if critic == "separate" else ppo.ValueHead(model.config.hidden_size)
+    torch.nn.init.normal_(head.head.linear.weight if critic == "separate" else head.linear.weight, std=0.1)
+    rows = []
+    trunk = head.trunk if critic == "separate" else model.base_model
+    trunk.register_forward_hook(lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    batch = synthetic_batch(model)
+    models = rollout.Models(model, None, None, head)
+    with torch.no_grad():
+        whole = rollout.score_logprobs(batch, models, tasks.Sampling()).old_values.clone()
+        rows.clear()
+        chunked = rollout.score_logprobs(batch, models, tasks.Sampling(forward_batch=2)).old_values
+    assert rows and max(rows) == 2, f"forwards of {rows} rows"
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
