@@ -109,7 +109,8 @@ def importance_ratio(logp, old_logp, mask, level: str):
 
     s_i is the geometric mean of sequence i's token ratios: one weight per sequence, the unit
     a sequence reward (GRPO's advantage) is given in; the length normalisation keeps it near 1
-    whatever the length, so GSPO clips it far more tightly (its paper: eps 3e-4 / 4e-4)."""
+    whatever the length, so GSPO clips it far more tightly (its paper: eps 3e-4 / 4e-4, and
+    a mean over sequences; `--ratio-level sequence` brings both unless they are given)."""
     if level == "token":
         return torch.exp(logp - old_logp)                                       # (n, C)
     m = mask.to(logp.dtype)

@@ -69,8 +69,8 @@ class Config:
     clip_eps: float = opt(GRPO.clip_low, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
     clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
     ratio_level: str = opt(GRPO.ratio_level, "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the "
-                           "geometric mean of its token ratios; its paper clips at --clip-eps 3e-4 "
-                           "--clip-eps-high 4e-4)", choices=grpo.RATIO_LEVELS)
+                           "geometric mean of its token ratios; then, unless given, its paper's --clip-eps "
+                           "3e-4 --clip-eps-high 4e-4 --loss-agg seq-mean-token-mean)", choices=grpo.RATIO_LEVELS)
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
     min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
@@ -264,7 +264,7 @@ def parse_config(argv=None) -> Config:
     args = _parser().parse_args(argv)
     given = vars(_parser(explicit_only=True).parse_args(argv))
     try:
-        cfg = Config(**vars(args))
+        cfg = gspo_defaults(Config(**vars(args)), given)
         if "resume" in given:
             if not cfg.resume.strip():
                 raise ConfigError("--resume: needs the folder of the run to continue, got an empty string")
@@ -272,6 +272,18 @@ def parse_config(argv=None) -> Config:
         return validate(cfg)
     except ConfigError as e:
         fail(str(e))
+
+
+# GSPO's paper (and verl's gspo) clip the sequence ratio at 3e-4 / 4e-4 and average over
+# sequences; token-level PPO's 0.2 would leave a length-normalised ratio unclipped.
+GSPO_DEFAULTS = dict(clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token-mean")
+
+
+def gspo_defaults(cfg: Config, given: dict) -> Config:
+    """--ratio-level sequence: GSPO's clip range and aggregation for the flags not given."""
+    if cfg.ratio_level != "sequence":
+        return cfg
+    return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
 
 
 RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite")

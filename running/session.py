@@ -189,6 +189,9 @@ def start(cfg: Config, out: Path) -> Run:
     # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
+    if cfg.ratio_level == "sequence":
+        log(f"GSPO (--ratio-level sequence): --clip-eps {cfg.clip_eps:g} --clip-eps-high "
+            f"{cfg.clip_eps_high or cfg.clip_eps:g} --loss-agg {cfg.loss_agg}")
     if cfg.kl_in_reward and cfg.beta > 0 and cfg.kl_estimator in ("k2", "k3") and main:   # said even with --quiet
         print(f"train.py: warning: --kl-estimator {cfg.kl_estimator} in the reward pulls toward the reference far "
               f"less than k1 near it (kl.py); --kl-estimator auto (or k1) puts k1 there", file=sys.stderr)

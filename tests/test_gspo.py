@@ -160,3 +160,21 @@ def test_sequence_ratio_outside_grpo_exits_2_naming_the_flag(argv, tmp_path, cap
         config.parse_config(argv + ["--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "--ratio-level" in err, err
+
+
+def test_the_sequence_ratio_alone_brings_gspos_clip_and_mean_and_says_so(tmp_path, capsys):
+    """Issue 33: GSPO's paper and verl clip the sequence ratio at 3e-4 / 4e-4 and average over
+    sequences; with PPO's 0.2 a length-normalised ratio is hardly ever clipped."""
+    cfg = config.parse_config(quick(tmp_path, "a", "--ratio-level", "sequence"))
+    assert (cfg.clip_eps, cfg.clip_eps_high, cfg.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")
+    hp = config.hyper_params(cfg)
+    assert (hp.clip_low, hp.clip_high) == (3e-4, 4e-4)
+    given = config.parse_config(quick(tmp_path, "b", "--ratio-level", "sequence", "--clip-eps", "0.01"))
+    assert (given.clip_eps, given.clip_eps_high, given.loss_agg) == (0.01, 4e-4, "seq-mean-token-mean")
+    token = config.parse_config(quick(tmp_path, "c"))
+    assert (token.clip_eps, token.clip_eps_high, token.loss_agg) == (0.2, 0.0, "token-mean")
+    argv = quick(tmp_path, "run", "--ratio-level", "sequence", "--steps", "1")
+    argv.remove("--quiet")
+    train.train(config.parse_config(argv))
+    assert "GSPO (--ratio-level sequence): --clip-eps 0.0003 --clip-eps-high 0.0004 --loss-agg seq-mean-token-mean" \
+        in capsys.readouterr().err
