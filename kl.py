@@ -37,27 +37,32 @@ So the reward side takes k1 (as TRL, verl and OpenRLHF do) and the loss side k3:
 command line's `--kl-estimator auto` resolves to one or the other by `--kl-in`, and
 train.py warns when k2 or k3 is asked for in the reward.
 
-How beta moves (`--kl-control`), once per step, from the measured KL of the step's rollouts
-(the token mean of k3):
+How beta moves (`--kl-control`), once per step, from a measured KL (READS says which):
 
     fixed   beta never changes.
     ratio   report 002: target T (--kl-target, 0.01); beta x1.5 when KL > 2T, x0.8 when
-            KL < T/2; clamped to [0.01, 1.0].
-    range   report 003: beta x1.5 when KL > --kl-target-max, x0.8 when KL < --kl-target-min,
-            unchanged in between; clamped to [0.001, 10] (the report's beta went 10 -> 0.001).
-            Report 003 does not spell out its update factors; 1.5 and 0.8 are 002's.
+            KL < T/2; clamped to [0.01, 1.0]. KL: the rollouts' token-mean k3 to the reference.
+    range   report 003, as the public code that matches its parameters has it
+            (adaptive_kl_beta): beta x1.5 when KL > --kl-target-max, /1.5 when KL <
+            --kl-target-min, unchanged in between; clamped to [0.001, 10]. KL: the update's own,
+            the batch's token mean of k3 between the policy that sampled and the policy after
+            the update's epochs (approx_kl). From 10 to the floor in 23 steps below the range.
+    range-ref   this project's earlier reading of report 003: the same range and clamp, but
+            x0.8 below it and the rollouts' KL to the reference (42 steps from 10 to the floor).
     proportional   Ziegler et al. (2019), as TRL's AdaptiveKLController and verl's and
             OpenRLHF's adaptive controllers: e = clip(KL / T - 1, -0.2, 0.2),
             beta *= 1 + e * n / horizon, n the samples of the step (N = B*K), horizon
             --kl-horizon (10000, TRL's default). Smooth and slow: at most 0.2 * N / horizon
             per step (0.13% at N = 64), where the reports' rules jump by x1.5 or x0.8. No clamp.
+            KL: the rollouts' to the reference.
 
 The starting beta must lie in the rule's range (running/checks.py refuses it otherwise; here it
 raises): a start outside would be clamped at the first update, a jump no rule asked for.
 
-A run starts at the reference, so KL starts at 0 and both adaptive rules first *lower* beta:
-with the range rule, beta keeps falling until KL climbs past kl_target_min, and stays at its
-floor if it never does.
+A run starts at the reference, so the KL to it starts at 0 and the adaptive rules first *lower*
+beta: with a range rule, beta keeps falling until the KL climbs past kl_target_min, and stays
+at its floor if it never does. Report 003's KL (old to new policy) is small whenever the
+updates are: there the floor is reached by any run whose steps move the policy little.
 """
 from dataclasses import dataclass
 
@@ -65,7 +70,10 @@ import torch
 
 ESTIMATORS = ("k1", "k2", "k3")
 REWARD_ESTIMATOR, LOSS_ESTIMATOR = "k1", "k3"      # --kl-estimator auto, by where the KL goes
-CONTROLS = ("fixed", "ratio", "range", "proportional")
+CONTROLS = ("fixed", "ratio", "range", "range-ref", "proportional")
+# which measured KL each rule reads: the step's rollouts' KL to the reference ("kl"), or the
+# update's KL between the policy before and after it ("approx_kl": report 003's code)
+READS = {"fixed": "kl", "ratio": "kl", "range": "approx_kl", "range-ref": "kl", "proportional": "kl"}
 
 
 def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -85,8 +93,8 @@ class KLRule:
     """How beta moves: the control and the numbers it reads (train.py's --kl-* flags)."""
     control: str = "fixed"
     target: float = 0.01                  # ratio, proportional
-    target_min: float = 0.01              # range
-    target_max: float = 0.1               # range
+    target_min: float = 0.01              # range, range-ref
+    target_max: float = 0.1               # range, range-ref
     horizon: float = 10000.0              # proportional
     samples_per_step: int = 1             # proportional: Ziegler's n_steps (N = B*K here)
 
@@ -94,9 +102,10 @@ class KLRule:
 class KLController:
     """beta for the next step, from the KL measured on this one."""
 
-    UP, DOWN = 1.5, 0.8
+    UP = 1.5
+    DOWN = {"ratio": 0.8, "range": 1 / 1.5, "range-ref": 0.8}     # report 003's code divides by 1.5
     CLAMP = {"fixed": (0.0, float("inf")), "ratio": (0.01, 1.0), "range": (0.001, 10.0),
-             "proportional": (0.0, float("inf"))}
+             "range-ref": (0.001, 10.0), "proportional": (0.0, float("inf"))}
 
     def __init__(self, beta: float, rule: KLRule | None = None):
         rule = rule or KLRule()
@@ -116,14 +125,14 @@ class KLController:
             return self.beta
         if rule.control == "ratio":
             high, low = 2 * rule.target, 0.5 * rule.target
-        elif rule.control == "range":
+        elif rule.control in ("range", "range-ref"):
             high, low = rule.target_max, rule.target_min
         else:
             return self.beta
         if kl > high:
             self.beta *= self.UP
         elif kl < low:
-            self.beta *= self.DOWN
+            self.beta *= self.DOWN[rule.control]
         lo, hi = self.CLAMP[rule.control]
         self.beta = min(max(self.beta, lo), hi)
         return self.beta

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError
 
+import kl
 import logprobs
 import rollout
 from running import checkpoint, distributed, evaluate, monitor, report
@@ -128,8 +129,11 @@ def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
     """After a step: move beta, count the step (updates, collapses, skips) into the row and
     the run's state, raise the monitor's alerts; return why the run must stop, or None."""
     cfg, state, step = run.cfg, run.state, row["step"]
-    if row["kl"] is not None:
-        run.kl_control.update(row["kl"])                  # beta for the next step
+    # beta for the next step, from the KL its rule reads: the rollouts' to the reference, or
+    # (report 003's range rule) the update's between the old and the new policy
+    measured = {**row, **stats}.get(kl.READS[cfg.kl_control])
+    if row["kl"] is not None and measured is not None:
+        run.kl_control.update(measured)
     collapsed = state.count(step, stats, row[run.learner.task.FORMAT_KEY], cfg.n)
     row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
     if row.get("update_skipped") == "no_group_kept":

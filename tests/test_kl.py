@@ -61,13 +61,35 @@ def test_report_002_ratio_rule_on_a_scripted_kl_sequence():
     assert c.beta == 0.01                                        # and at the bottom
 
 
-def test_report_003_range_rule_lets_beta_drift_to_its_floor_while_kl_stays_in_range():
+def adaptive_kl_beta(beta, kl, kl_target_min=0.01, kl_target_max=0.1, factor=1.5):
+    """A re-implementation of the public code that matches report 003's parameters."""
+    if kl > kl_target_max:
+        beta = beta * factor
+    elif kl < kl_target_min:
+        beta = beta / factor
+    return min(max(beta, 0.001), 10.0)
+
+
+def test_report_003_range_rule_is_its_codes_rule_and_reaches_the_floor_in_23_steps():
     c = kl.KLController(10.0, kl.KLRule("range", target_min=0.01, target_max=0.1))
+    ref, gen = 10.0, torch.Generator().manual_seed(0)
+    for value in torch.rand(200, generator=gen).mul(0.2).tolist():       # KLs below, inside, above
+        ref = adaptive_kl_beta(ref, value)
+        assert c.update(value) == pytest.approx(ref)
+    c = kl.KLController(10.0, kl.KLRule("range", target_min=0.01, target_max=0.1))
+    betas = [c.update(0.005) for _ in range(30)]                          # KL below the range
+    assert betas.index(0.001) + 1 == 23                                   # /1.5 a step, to the floor
+    assert c.update(0.03) == 0.001                                       # in range: beta stays on the floor
+    assert c.update(0.5) == pytest.approx(0.0015)                        # above the range: x1.5
+    assert kl.READS["range"] == "approx_kl", "report 003's code reads the update's KL, old to new policy"
+
+
+def test_our_earlier_range_reading_is_kept_as_range_ref_and_takes_42_steps():
+    c = kl.KLController(10.0, kl.KLRule("range-ref", target_min=0.01, target_max=0.1))
     assert c.update(20.0) == pytest.approx(10.0)                 # already at the ceiling
     betas = [c.update(0.005) for _ in range(60)]                 # KL below the range
-    assert betas[0] == pytest.approx(8.0) and betas[-1] == 0.001  # x0.8 per step, to the floor
-    assert c.update(0.03) == 0.001                               # in range: beta stays on the floor
-    assert c.update(0.5) == pytest.approx(0.0015)                # above the range: x1.5
+    assert betas[0] == pytest.approx(8.0) and betas.index(0.001) + 1 == 42    # x0.8 per step
+    assert kl.READS["range-ref"] == "kl"
 
 
 def trl_adaptive_kl(value, target, horizon):
