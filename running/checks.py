@@ -71,7 +71,7 @@ def validate(cfg):
     need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
     cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
     need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
-    need(cfg.clip_eps_high >= 0, "clip-eps-high", f"must be >= 0, got {cfg.clip_eps_high}")
+    need(0 <= cfg.clip_eps_high <= 100, "clip-eps-high", f"must be in [0, 100] (0 = --clip-eps), got {cfg.clip_eps_high}")
     need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")
     need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
     need(cfg.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {cfg.entropy_coef}")
@@ -101,11 +101,12 @@ def validate(cfg):
     for flag, given in (("critic", cfg.critic != "shared"), ("critic-lr", cfg.critic_lr > 0)):
         need(cfg.algo == "ppo" or not given, flag, f"PPO's critic; --algo {cfg.algo} has none")
     need(cfg.vf_coef >= 0, "vf-coef", f"must be >= 0, got {cfg.vf_coef}")
-    need(cfg.value_clip >= 0, "value-clip", f"must be >= 0 (0 = off), got {cfg.value_clip}")
+    need(0 <= cfg.value_clip <= 1e6, "value-clip", f"must be in [0, 1e6] (0 = off), got {cfg.value_clip}")
     need(0 <= cfg.gamma <= 1, "gamma", f"must be in [0, 1], got {cfg.gamma}")
     need(0 <= cfg.lam <= 1, "lam", f"must be in [0, 1], got {cfg.lam}")
     need(cfg.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {cfg.max_grad_norm}")
-    need(cfg.temperature > 0, "temperature", f"must be > 0, got {cfg.temperature}")
+    need(1e-3 <= cfg.temperature <= 1e3, "temperature", f"must be in [0.001, 1000] (logits / T overflow "
+         f"float32 past it), got {cfg.temperature}")
     need(cfg.max_turns >= 1, "max-turns", f"must be >= 1, got {cfg.max_turns}")
     top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
     need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
@@ -204,8 +205,16 @@ def saved_fields(run_dir: Path, config_class) -> dict:
     """The fields of config_class (Config) a run was made with (its config.json, less ran_on
     and any field this version no longer has); OSError or ValueError when it cannot be read."""
     saved = json.loads((Path(run_dir) / "config.json").read_text())
-    names = {f.name for f in dataclasses.fields(config_class)}
-    return {k: v for k, v in saved.items() if k in names}
+    if not isinstance(saved, dict):
+        raise ValueError("config.json is not a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    out = {k: v for k, v in saved.items() if k in fields}
+    for name, value in out.items():                 # a hand-edited file: a number where a word goes
+        want = type(fields[name].default)
+        if not (isinstance(value, want) or (want is float and isinstance(value, int) and not isinstance(value, bool))) \
+                or (want is int and isinstance(value, bool)):
+            raise ValueError(f"config.json's {name!r} is {value!r}, not a {want.__name__}")
+    return out
 
 
 SAME_MODEL = ("task", "model", "hidden", "layers")     # what a run started --init-from another must share

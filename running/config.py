@@ -267,9 +267,11 @@ def parse_config(argv=None) -> Config:
     given = vars(_parser(explicit_only=True).parse_args(argv))
     try:
         cfg = gspo_defaults(Config(**vars(args)), given)
+        for name, what in (("resume", "the folder of the run to continue"), ("init_from", "a run or checkpoint "
+                           "folder to start from"), ("model", "a named model, a folder or a hub id")):
+            if name in given and not str(given[name]).strip():      # an empty string is a mistake, not "off"
+                raise ConfigError(f"--{name.replace('_', '-')}: needs {what}, got an empty string")
         if "resume" in given:
-            if not cfg.resume.strip():
-                raise ConfigError("--resume: needs the folder of the run to continue, got an empty string")
             cfg = resumed_config(cfg, given)
         return validate(cfg)
     except ConfigError as e:
@@ -304,8 +306,8 @@ def resumed_config(cfg: Config, given: dict) -> Config:
     run_dir = checkpoint.run_dir_of(ckpt)
     try:
         saved = saved_fields(run_dir, Config)
-    except (OSError, ValueError):
-        raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r}")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r} ({e})")
     saved["out"] = str(run_dir)
     for name, value in given.items():
         if name in RESUME_MAY_CHANGE:

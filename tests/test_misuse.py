@@ -55,6 +55,24 @@ NOT_DEFAULT = {"norm": "group", "unbiased": None, "adv_clip": "3", "clip_eps": "
 PAIRS = [(name, algo) for name, algos in checks.USED_BY.items() for algo in ("grpo", "ppo", "rce") if algo not in algos]
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--init-from", ""], "--init-from"), (["--model", " "], "--model"),        # an empty string is not "off"
+    (["--clip-eps-high", "1e39"], "--clip-eps-high"), (["--algo", "ppo", "--value-clip", "1e39"], "--value-clip"),
+    (["--temperature", "1e-300"], "--temperature"), (["--temperature", "1e300"], "--temperature"),
+])
+def test_values_that_died_after_the_warm_start_are_refused_before_it(argv, flag, tmp_path, capsys):
+    """Issue 33's second probe round: each of these passed the checks and ended in a traceback
+    (or was silently ignored)."""
+    exits_2(capsys, lambda: config.parse_config(quick(tmp_path, "r", *argv)), flag)
+
+
+def test_resume_with_a_wrong_typed_config_json_says_which_field(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps(dict(saved, k="eight")))
+    exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]), "'k'")
+
+
 def test_every_algorithm_only_flag_is_in_the_table():
     assert set(NOT_DEFAULT) == set(checks.USED_BY)
 
