@@ -300,12 +300,13 @@ def main(argv=None):
         return
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
-    if args.threads < 0:
-        p.error(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):      # 100000 threads crash torch itself
+        p.error(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default; 4x the "
+                f"{os.cpu_count()} cores at most), got {args.threads}")
     if args.pairs < 1:
         p.error(f"--pairs must be >= 1, got {args.pairs}")
-    if args.json and not (checks.writable(Path(args.json).parent) and
-                          (not Path(args.json).exists() or os.access(args.json, os.W_OK))):
+    if args.json and (Path(args.json).is_dir() or not (checks.writable(Path(args.json).parent) and
+                      (not Path(args.json).exists() or os.access(args.json, os.W_OK)))):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
     if args.what == "logprobs":
         return logprobs_report(args)
@@ -359,4 +360,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:             # Ctrl-C: one line, as a shell reports it, no traceback
+        print("python -m lab.bench: interrupted; nothing was written", file=sys.stderr)
+        sys.exit(130)

@@ -122,6 +122,8 @@ def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     exits_2(capsys, lambda: bench.main(["--json", str(tmp_path / "file" / "b.json")]), "--json")
     exits_2(capsys, lambda: bench.main(["--threads", "-5"]), "--threads")
+    exits_2(capsys, lambda: bench.main(["--threads", "100000"]), "--threads")        # it segfaulted torch
+    exits_2(capsys, lambda: bench.main(["--json", str(tmp_path)]), "--json")          # a folder, not a file
     exits_2(capsys, lambda: lab.main(["--quick", "--out", str(tmp_path / "file" / "lab")]), "--out")
 
 
@@ -298,3 +300,14 @@ def test_a_log_line_the_full_disk_refuses_is_said_counted_and_the_log_goes_on(tm
     log.close()
     assert log.lost == 1 and "No space left" in capsys.readouterr().err
     assert [r["step"] for r in read(tmp_path / "m.jsonl")] == [0, 2]
+
+
+def test_ctrl_c_in_bench_is_one_line_and_exit_130():
+    """Issue 33: Ctrl-C in the benchmark printed a traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "lab.bench", "--steps", "200"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal has it
+    time.sleep(8)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["python -m lab.bench: interrupted; nothing was written"], err
