@@ -11,6 +11,7 @@ and returns the report's claim, what we measured, and a verdict computed from th
 a rule stated in the code below (never tuned to agree). results/SUMMARY.md collects them all.
 """
 import argparse
+import fcntl
 import json
 import os
 import time
@@ -87,19 +88,48 @@ def main(argv=None):
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
     lab = Lab(out, args.quick, args.model, args.jobs)
     transformers.utils.logging.disable_progress_bar()    # loading the tiny model here (batch_size): no bars
-    summary_file = out / "summary.json"
-    # Entries of experiments not run now stay as they were: a partial (or interrupted) run
-    # updates only its own experiments.
-    results = json.loads(summary_file.read_text()) if summary_file.exists() else {}
     t_all = time.time()
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)
-        results[name] = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,
-                             date=time.strftime("%Y-%m-%d"), seeds=lab.seeds, quick=args.quick)
-        print(f"{name}: {results[name]['verdict']} ({results[name]['seconds']:.0f} s)", flush=True)
-        results = {n: results[n] for n in EXPERIMENTS if n in results}
-        summary_file.write_text(json.dumps(results, indent=1))       # after every experiment
-        (out / "SUMMARY.md").write_text(summary_md(results))
+        entry = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,
+                     date=time.strftime("%Y-%m-%d"), seeds=lab.seeds, quick=args.quick)
+        print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
+        record(out, name, entry)                                        # after every experiment
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
+
+
+def record(out: Path, name: str, entry: dict) -> None:
+    """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md. Entries of
+    experiments not run now stay as they were (a partial or interrupted lab updates only its
+    own). Under a lock, re-reading the file first: two labs writing into one folder at once
+    merge their entries, where one used to lose the other's. Each file is written beside and
+    renamed, so it is whole or absent."""
+    with open(out / ".summary.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        results = read_summary(out)
+        results[name] = entry
+        results = {n: results[n] for n in EXPERIMENTS if n in results}
+        for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results))):
+            tmp = out / f".{file}.tmp-{os.getpid()}"
+            tmp.write_text(text)
+            os.replace(tmp, out / file)
+
+
+def read_summary(out: Path) -> dict:
+    """out/summary.json's entries; a torn one (a write cut short before writes were atomic) is
+    kept aside as summary.json.torn, said in one line, and the summary starts again."""
+    path = out / "summary.json"
+    if not path.exists():
+        return {}
+    try:
+        results = json.loads(path.read_text())
+        if isinstance(results, dict):
+            return results
+    except ValueError:
+        pass
+    path.replace(out / "summary.json.torn")
+    print(f"python -m lab: {path} could not be read; kept as summary.json.torn, and this run's entries start "
+          f"a new one", flush=True)
+    return {}
 

@@ -155,6 +155,32 @@ def test_lab_writes_each_experiment_s_entry_as_it_ends(tmp_path, monkeypatch):
     assert summary["second"]["quick"] and "QUICK" in (tmp_path / "SUMMARY.md").read_text()
 
 
+def test_two_labs_into_one_folder_keep_both_entries_and_a_torn_summary_is_named(tmp_path, monkeypatch, capsys):
+    """Issue 33: two `python -m lab --out X` at once lost one entry (each wrote the summary it
+    read at its start); a torn summary.json blocked every later lab run."""
+    import threading
+    from lab import main as lab_main
+    entry = dict(report="x", claim="c", measured="m", verdict="v", figure=None)
+    started = threading.Barrier(2)
+
+    def slow(_):                      # both labs have read the (empty) summary before either writes
+        started.wait(timeout=30)
+        return dict(entry)
+    monkeypatch.setattr(lab_main, "EXPERIMENTS", {"first": slow, "second": slow})
+    labs = [threading.Thread(target=lab_main.main, args=([n, "--out", str(tmp_path)],)) for n in ("first", "second")]
+    for t in labs:
+        t.start()
+    for t in labs:
+        t.join(timeout=60)
+    assert set(json.loads((tmp_path / "summary.json").read_text())) == {"first", "second"}
+    (tmp_path / "summary.json").write_text('{"first": {"report": "x", "cla')          # cut short
+    monkeypatch.setattr(lab_main, "EXPERIMENTS", {"first": lambda _: dict(entry), "second": lambda _: dict(entry)})
+    lab_main.main(["second", "--out", str(tmp_path)])
+    assert "kept as summary.json.torn" in capsys.readouterr().out
+    assert (tmp_path / "summary.json.torn").read_text().startswith('{"first"')
+    assert list(json.loads((tmp_path / "summary.json").read_text())) == ["second"]
+
+
 # ---- accidents during a run: caught, counted, said, survived ----
 
 def test_a_blown_up_policy_is_a_non_finite_step_not_a_crash_and_is_not_saved(tmp_path):
