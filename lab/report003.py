@@ -1,6 +1,7 @@
 """The lab's experiments on report 003 (RCE then GRPO with an adaptive KL): the KL range rule and
 over-training, and RCE -> GRPO with early stopping (docs/reports.md)."""
 import json
+import statistics
 from pathlib import Path
 
 from lab import compare
@@ -23,16 +24,26 @@ def kl_range(lab: Lab) -> dict:
     past_peak = {s: mean(max(e, key=lambda p: p[1])[1] - e[-1][1] for e in runs) for s, runs in evals.items()}
     min_beta = {s: min(x["kl_coef"] for rs in runs for x in rs[1:]) for s, runs in rows.items()}
     low, wide, fixed = (end(runs, "eval_reward_mean_end") for runs in r.values())
+    spread = [statistics.pstdev([x["eval_reward_mean_end"] for x in runs]) for runs in r.values()]
     s_low = list(r)[0]
+    floor = min_beta[s_low] <= 0.002
+    # "worse" as curriculum's and entropy's rules read a difference: by more than the larger of
+    # the two spreads over seeds (until issue 33's rerun any lower mean counted: 0.91 against
+    # 0.92, spreads 0.09 and 0.13, read as "reproduced")
+    worse = wide - low > max(spread[0], spread[1])
     return dict(report="003", figure="kl_range/compare.png",
                 claim="the range rule with kl_target_min 0.01 lowered beta to 0.001 and the run got worse; "
                       "targets 0.05/0.2 and early stopping fix it",
-                measured=f"held-out reward at the end: range 0.01/0.1 {low:.2f}, range 0.05/0.2 {wide:.2f}, fixed "
-                         f"beta 0.1 {fixed:.2f}; lowest beta reached with 0.01/0.1: {min_beta[s_low]:.3g}; held-out "
+                measured=f"held-out reward at the end (mean ± spread over seeds): range 0.01/0.1 {low:.2f} ± "
+                         f"{spread[0]:.2f}, range 0.05/0.2 {wide:.2f} ± {spread[1]:.2f}, fixed beta 0.1 {fixed:.2f} ± "
+                         f"{spread[2]:.2f}; lowest beta reached with 0.01/0.1: {min_beta[s_low]:.3g}; held-out "
                          f"reward lost between its best evaluation and the end (early stopping's gain): "
                          + ", ".join(f"{v:.2f}" for v in past_peak.values()),
-                # rule: beta reaches the floor (<= 0.002) under 0.01/0.1 and that run ends below the wider band
-                verdict="reproduced" if min_beta[s_low] <= 0.002 and low < wide else "not reproduced")
+                # rule: beta reaches the floor (<= 0.002) under 0.01/0.1, and that run ends below the wider
+                # band by more than the spread over seeds
+                verdict="reproduced" if floor and worse else
+                "partly: beta falls to its floor, but the run ends no worse than with 0.05/0.2 beyond the spread "
+                "over seeds" if floor else "not reproduced")
 
 
 # ---- 9. RCE, then GRPO; early stopping; every checkpoint against the baseline (report 003) ----
