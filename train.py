@@ -40,7 +40,7 @@ import update
 from running import checkpoint, distributed, report, schedules
 from running.bookkeeping import end_step
 from running.config import Config, fail, parse_config
-from running.session import Learner, Run, RankLost, begin_step, draw_prompts, open as open_run
+from running.session import Learner, Run, RankLost, begin_step, difficulty, draw_prompts, open as open_run
 from models import pretrained
 
 
@@ -144,8 +144,7 @@ def train(cfg: Config) -> dict:
         for step in range(run.state.step + 1, cfg.steps + 1):
             begin_step(run, step)
             hp = step_hyper_params(run, step)
-            # the task's difficulty: --difficulty, or with --curriculum this step's phase of it
-            level = schedules.difficulty_at(step, cfg.steps, cfg.difficulty, cfg.curriculum)
+            level = difficulty(run, step)                  # --difficulty, or the curriculum's phase
             prompts = draw_prompts(run, level)             # this rank's share, under torchrun
             try:
                 batch, outcomes, prompts, row, stats = rl_step(run.learner, prompts, hp,

@@ -44,6 +44,7 @@ class RunState:
     stopped: str | None = None       # why the run stopped early
     interrupted: str | None = None   # the signal that stopped it
     early_stopped: str | None = None  # why --early-stop-patience ended it (a normal end)
+    difficulty: int = 1              # the task's difficulty at the last step (a curriculum never steps back)
     best_step: int = 0               # the evaluation with the highest held-out reward so far ...
     best_reward: float | None = None
     best_eval: dict | None = None    # ... its eval_*

@@ -29,7 +29,7 @@ import ppo
 import rollout
 import tasks
 from models import policy, pretrained
-from running import checkpoint, config, distributed, monitor, report
+from running import checkpoint, config, distributed, monitor, report, schedules
 from running import checks
 from running.bookkeeping import RunState, held_out, keep_best, save_best
 from running.config import Config, default_out
@@ -105,6 +105,15 @@ def open(cfg: Config):
         state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
         state.seconds += time.time() - run.started       # the whole run's, over every resume
         run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
+
+
+def difficulty(run: Run, step: int) -> int:
+    """The task's difficulty at this step: --difficulty, or with --curriculum this step's phase
+    (schedules.difficulty_at), never below the last step's: a curriculum resumed with more
+    --steps stretches its phases, and would otherwise step back to easier tasks."""
+    level = schedules.difficulty_at(step, run.cfg.steps, run.cfg.difficulty, run.cfg.curriculum)
+    run.state.difficulty = max(level, run.state.difficulty)
+    return run.state.difficulty
 
 
 def begin_step(run: Run, step: int) -> None:

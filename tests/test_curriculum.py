@@ -176,3 +176,15 @@ def test_bad_difficulty_flags_exit_2_naming_the_flag(argv, flag, tmp_path, capsy
         config.parse_config(argv + ["--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_a_curriculum_resumed_with_more_steps_goes_on_and_never_steps_back(tmp_path):
+    """Issue 33: resumed with more --steps, the phases stretch: step 6 of 9 is difficulty 2 by
+    the schedule, after the first run reached 3 at step 5. The schedule goes on from where the
+    run is, it never hands the policy easier tasks again."""
+    argv = quick(tmp_path, "cur", "--task", "tools", "--reward", "sparse", "--difficulty", "3", "--curriculum",
+                 "--steps", "5", "--eval-every", "5", "--save-every", "5")
+    train.train(config.parse_config(argv))
+    train.train(config.parse_config(["--resume", str(tmp_path / "cur"), "--steps", "9", "--quiet"]))
+    levels = [json.loads(line).get("difficulty") for line in open(tmp_path / "cur" / "metrics.jsonl")][1:]
+    assert levels == [1, 1, 2, 2, 3, 3, 3, 3, 3], levels
