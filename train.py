@@ -134,6 +134,15 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
                                entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end), **tau)
 
 
+def exit_code(summary: dict) -> int:
+    """128 + the signal's number when one stopped the run (130 Ctrl-C, 143 SIGTERM, as a shell
+    reports a killed job); 1 when it stopped on a failure or could write none of its
+    checkpoints; else 0."""
+    if summary["interrupted"]:
+        return 128 + checkpoint.SIGNALS[summary["interrupted"]]
+    return 1 if summary["stopped"] or summary.get("unsaved") else 0
+
+
 # ---- the loop ----
 
 def train(cfg: Config) -> dict:
@@ -171,6 +180,4 @@ if __name__ == "__main__":
         sys.exit(1)
     finally:
         distributed.close()
-    # 128 + the signal's number (130 Ctrl-C, 143 SIGTERM), as a shell reports a killed job
-    sys.exit(128 + checkpoint.SIGNALS[summary["interrupted"]] if summary["interrupted"]
-             else 1 if summary["stopped"] else 0)
+    sys.exit(exit_code(summary))

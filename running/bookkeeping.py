@@ -219,7 +219,7 @@ def save(run: Run) -> Path | None:
                                    dataclasses.asdict(snapshot), run.rng)
         except (OSError, SafetensorError) as e:
             state.failed_saves += 1
-            run.log(f"step {state.step}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
+            run.warn(f"step {state.step}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
     spare = run.out / state.best_checkpoint if state.best_checkpoint else None    # early stopping's best
     for old in checkpoint.prune(run.out, run.cfg.keep_checkpoints, spare):
         run.log(f"removed checkpoint {old.name} (--keep-checkpoints {run.cfg.keep_checkpoints})")

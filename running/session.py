@@ -66,6 +66,7 @@ class Run:
     samples: checkpoint.JsonlLog
     log: Callable
     started: float                   # time.time() at the start of this session
+    warn: Callable = print           # a failure's line: printed on rank 0 even with --quiet
     interrupts: checkpoint.Interrupts | None = None   # the signals caught (open)
     step_started: float = 0.0        # time.time() at the start of the current step (begin_step)
     summary: dict | None = None      # summary.json's contents, once the run is closed
@@ -105,6 +106,10 @@ def open(cfg: Config):
         state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
         state.seconds += time.time() - run.started       # the whole run's, over every resume
         run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
+        if state.failed_saves and checkpoint.find(out) is None:       # --quiet hides progress, never this
+            run.summary["unsaved"] = True
+            run.warn(f"error: none of this run's {state.failed_saves} checkpoint(s) could be written "
+                     f"(see the lines above); it cannot be resumed")
 
 
 def difficulty(run: Run, step: int) -> int:
@@ -234,7 +239,8 @@ def start(cfg: Config, out: Path) -> Run:
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
-              prompts_of(task, cfg), *logs, log, started)
+              prompts_of(task, cfg), *logs, log, started,
+              warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
         held_out(run, row := {"step": 0})                    # before any update: evaluation only
         state.first_eval = state.last_eval

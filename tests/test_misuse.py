@@ -337,3 +337,15 @@ def test_ctrl_c_in_bench_is_one_line_and_exit_130():
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines() == ["python -m lab.bench: interrupted; nothing was written"], err
+
+
+def test_a_run_that_could_write_no_checkpoint_says_so_even_quiet_and_exits_1(tmp_path, monkeypatch, capsys):
+    """Issue 33: with every checkpoint refused (a full disk, a file-size limit) the run exited 0,
+    and with --quiet printed nothing: --quiet hides progress, never a failure."""
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "save", full)
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))      # --quiet
+    err = capsys.readouterr().err
+    assert err.count("checkpoint not written (OSError") == 2 and "it cannot be resumed" in err, err
+    assert summary["failed_saves"] == 2 and train.exit_code(summary) == 1
