@@ -21,11 +21,13 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen2ForCausalLM)
@@ -155,11 +157,19 @@ def cached(path: Path, build, log=print):
 
     Written to a temporary folder of this process's own and renamed, so a crash never leaves
     half a cache entry, and two runs warming up the same entry at once do not collide: the
-    first rename wins, the other run drops its copy and loads the winner's."""
-    if (path / "config.json").exists():
-        log(f"warm-start: loaded from cache {path}")
-        return (AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32),
-                load_tokenizer(path))
+    first rename wins, the other run drops its copy and loads the winner's. An entry that does
+    not load (a missing config.json, truncated weights: a disk, not this code, cut it) is moved
+    aside as NAME.damaged-PID, said in one line, and built again."""
+    if path.exists():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            log(f"warm-start: loaded from cache {path}")
+            return model, load_tokenizer(path)
+        except (OSError, ValueError, SafetensorError) as e:
+            aside = path.with_name(f"{path.name}.damaged-{os.getpid()}")
+            path.rename(aside)
+            print(f"warm-start: the cache entry {path} did not load ({type(e).__name__}: {str(e)[:120]}); "
+                  f"moved to {aside.name}, building it again", file=sys.stderr)
     model, tok = build()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     if tmp.exists():
@@ -170,7 +180,7 @@ def cached(path: Path, build, log=print):
         tmp.rename(path)
     except OSError:                              # "Directory not empty": another run won
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "config.json").exists():
+        if not path.exists():
             raise
         log(f"warm-start: another run cached the same warm start first; using {path}")
         return cached(path, build, log)

@@ -16,6 +16,7 @@ from running import config
 from running import monitor
 import train
 from tasks import workflow_task
+from conftest import quick
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -263,3 +264,21 @@ def test_non_finite_numbers_are_logged_as_null_and_named(tmp_path):
     row = json.loads(text)
     assert row["grad_norm"] is None and row["loss"] is None and row["nested"]["x"] == [1.0, None]
     assert row["nonfinite_logged"] == ["grad_norm", "loss", "nested.x"]
+
+
+@pytest.mark.parametrize("damage", ["config", "weights"])
+def test_a_damaged_warm_start_cache_is_moved_aside_and_built_again(damage, tmp_path, capsys):
+    """Issue 33: a warm-start cache entry without its config.json, or with its weights cut short,
+    gave a traceback, then "Directory not empty" on the retry."""
+    argv = quick(tmp_path, "a", "--steps", "1")
+    train.train(config.parse_config(argv))
+    (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    if damage == "config":
+        (entry / "config.json").unlink()
+    else:
+        weights = entry / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    summary = train.train(config.parse_config(quick(tmp_path, "b", "--steps", "1")))
+    assert summary["steps"] == 1
+    assert "did not load" in capsys.readouterr().err
+    assert (entry / "config.json").is_file() and list((tmp_path / "cache").glob("*.damaged-*"))
