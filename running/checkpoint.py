@@ -294,6 +294,25 @@ def load_weights(ckpt: Path, model) -> None:
         raise ResumeError(f"--init-from: {str(ckpt)!r}: {e}") from e
 
 
+def set_aside_later(run_dir: Path, step: int) -> Path | None:
+    """One folder, one history: a run resumed from an older checkpoint moves the checkpoints
+    of its abandoned later steps to run_dir/checkpoints.abandoned-after-step-N (a fresh name if
+    that exists), so that a later plain --resume cannot pick one of them. Returns that folder,
+    or None when there was nothing later."""
+    later = [p for p in Path(run_dir).glob("checkpoints/step-*") if p.name.split("-")[-1].split(".")[0].isdigit()
+             and int(p.name.split("-")[-1].split(".")[0]) > step]
+    if not later:
+        return None
+    aside = Path(run_dir) / f"checkpoints.abandoned-after-step-{step}"
+    n = 2
+    while aside.exists():
+        aside, n = Path(run_dir) / f"checkpoints.abandoned-after-step-{step}-{n}", n + 1
+    aside.mkdir()
+    for p in later:
+        p.rename(aside / p.name)
+    return aside
+
+
 def run_dir_of(ckpt: Path) -> Path:
     return Path(ckpt).parent.parent       # RUN/checkpoints/step-N -> RUN
 

@@ -230,6 +230,9 @@ def start(cfg: Config, out: Path) -> Run:
             torn = checkpoint.truncate_log(out / name, state.step) if main else 0
             if torn:
                 log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
+        aside = checkpoint.set_aside_later(out, state.step) if main else None
+        if aside:
+            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}")
         log(f"resumed from {used} at step {state.step}")
     ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
     if distributed.launched():

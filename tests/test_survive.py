@@ -282,3 +282,16 @@ def test_a_damaged_warm_start_cache_is_moved_aside_and_built_again(damage, tmp_p
     assert summary["steps"] == 1
     assert "did not load" in capsys.readouterr().err
     assert (entry / "config.json").is_file() and list((tmp_path / "cache").glob("*.damaged-*"))
+
+
+def test_resuming_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
+    """Issue 33: resumed from step 2 to 3, checkpoints/ still held steps 4 and 5 of the old
+    history, and a later plain --resume picked step 5 of it. One folder, one history."""
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--save-every", "1")))
+    run = tmp_path / "run"
+    train.train(config.parse_config(["--resume", str(run / "checkpoints" / "step-000002"), "--steps", "3", "--quiet"]))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000001", "step-000002", "step-000003"]
+    aside = run / "checkpoints.abandoned-after-step-2"
+    assert sorted(p.name for p in aside.iterdir()) == ["step-000003", "step-000004", "step-000005"]
+    assert checkpoint.find(run).name == "step-000003"
+    assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")] == [0, 1, 2, 3]
