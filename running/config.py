@@ -10,7 +10,9 @@ only --steps (to extend the run) and --quiet may be given with it.
 """
 import argparse
 import dataclasses
+import json
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -290,6 +292,16 @@ def gspo_defaults(cfg: Config, given: dict) -> Config:
     return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
 
 
+def processes_of(run_dir: Path) -> int:
+    """How many processes trained a run: its config.json's `processes`, or for a run written
+    before that field, the "x W ranks (torchrun)" of its ran_on."""
+    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    if "processes" in saved:
+        return int(saved["processes"])
+    found = re.search(r" x (\d+) ranks", saved.get("ran_on", ""))
+    return int(found.group(1)) if found else 1
+
+
 RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite")
 
 
@@ -308,6 +320,13 @@ def resumed_config(cfg: Config, given: dict) -> Config:
         saved = saved_fields(run_dir, Config)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r} ({e})")
+    before, now = processes_of(run_dir), distributed.size()
+    if before != now:
+        raise ConfigError(f"--resume: the run was trained by {before} process(es) and this is {now}: each "
+                          f"process's share of the prompts, its sampling seeds and --micro-batch (per process) "
+                          f"would change mid-run; resume with torchrun --nproc_per_node {before}"
+                          if before > 1 else f"--resume: the run was trained by 1 process; resume it with "
+                          f"python train.py, not {now} processes")
     saved["out"] = str(run_dir)
     for name, value in given.items():
         if name in RESUME_MAY_CHANGE:

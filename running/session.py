@@ -238,7 +238,8 @@ def start(cfg: Config, out: Path) -> Run:
     if distributed.launched():
         ran_on += f" x {distributed.size()} ranks (torchrun)"
     if main:
-        (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on), indent=2))
+        (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on,
+                                                         processes=distributed.size()), indent=2))
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,

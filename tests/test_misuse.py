@@ -349,3 +349,11 @@ def test_a_run_that_could_write_no_checkpoint_says_so_even_quiet_and_exits_1(tmp
     err = capsys.readouterr().err
     assert err.count("checkpoint not written (OSError") == 2 and "it cannot be resumed" in err, err
     assert summary["failed_saves"] == 2 and train.exit_code(summary) == 1
+
+
+def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypatch, capsys):
+    """Issue 33: a run resumed under torchrun with another --nproc_per_node was accepted silently."""
+    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["processes"] == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")                  # as torchrun --nproc_per_node 2 sets it
+    exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]), "--resume")
