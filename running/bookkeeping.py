@@ -91,8 +91,14 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     step = row["step"]
     # a signal reaches one rank at a time: every rank stops at the step any of them got one
     # (the step's last collective; account's other inputs are the same on every rank)
-    state.stopped = account(run, row, stats, distributed.first_reason(run.interrupts.signal))
+    signal = distributed.first_reason(run.interrupts.signal)
+    state.stopped = account(run, row, stats, signal)
     main = distributed.is_main()
+    path = None
+    if signal and main:
+        # the weights first: torchrun kills the group 30 s after its SIGTERM, and a real model's
+        # held-out evaluation can take longer; the evaluation follows, if time allows
+        path = save(run)
     # a stopped run is evaluated where it stops, so its eval_*_end are its own
     due = (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None
     best = False
@@ -115,10 +121,9 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
             batch, outcomes, prompts, task, cfg.log_samples)})
     if main:
         report.progress(cfg, task, row, state.last_eval)
-    path = None
     if best and patience:                  # main only: early stopping keeps the best's weights
         save_best(run)
-    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main:
+    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal:
         path = save(run)
     if state.stopped:
         saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"

@@ -357,3 +357,20 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypa
     assert json.loads((tmp_path / "run" / "config.json").read_text())["processes"] == 1
     monkeypatch.setenv("WORLD_SIZE", "2")                  # as torchrun --nproc_per_node 2 sets it
     exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]), "--resume")
+
+
+def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, monkeypatch):
+    """Issue 33: on SIGTERM rank 0 evaluated first and saved after; torchrun kills the group 30 s
+    after its SIGTERM, longer than a real model's evaluation, and no checkpoint was left."""
+    from running import bookkeeping, distributed
+    steps = []
+    monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 2 else None))
+    seen, real = [], bookkeeping.held_out
+
+    def held_out(run, row):
+        seen.append((row["step"], checkpoint.find(run.out)))
+        return real(run, row)
+    monkeypatch.setattr(bookkeeping, "held_out", held_out)
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--eval-every", "1000")))
+    assert summary["steps"] == 2 and "SIGTERM" in summary["stopped"]
+    assert seen[-1][0] == 2 and seen[-1][1] is not None and seen[-1][1].name == "step-000002", seen
