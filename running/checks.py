@@ -129,6 +129,7 @@ def validate(cfg):
     need(cfg.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {cfg.save_every}")
     need(cfg.keep_checkpoints >= 0, "keep-checkpoints", f"must be >= 0 (0 = all), got {cfg.keep_checkpoints}")
     need(cfg.max_skips >= 0, "max-skips", f"must be >= 0, got {cfg.max_skips}")
+    need(cfg.collective_timeout > 0, "collective-timeout", f"must be > 0 seconds, got {cfg.collective_timeout}")
     need(cfg.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {cfg.alert_entropy}")
     need(cfg.alert_kl > 0, "alert-kl", f"must be > 0, got {cfg.alert_kl}")
     need(cfg.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {cfg.alert_reward_range}")

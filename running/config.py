@@ -146,6 +146,8 @@ class Config:
     alert_reward_range: float = opt(0.3, "monitor: alert when max - min of the mean reward over the window exceeds this")
     alert_window: int = opt(10, "monitor: steps in the reward-range window")
     stop_on_alert: bool = opt(False, "stop the run (with a checkpoint) at the monitor's first alert")
+    collective_timeout: float = opt(300.0, "torchrun: seconds a rank waits for the others before the job ends "
+                                    "with a line naming it (a rank stopped with kill -STOP hung the others)")
     # the policy
     device: str = opt("auto", "where to run", choices=("auto", "cpu", "cuda"))
     bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU for a real model where "

@@ -49,6 +49,7 @@ Backends: gloo on CPUs, nccl on GPUs (one process per GPU: several processes can
 GPU under nccl), from the same code.
 """
 import contextlib
+import datetime
 import os
 
 import torch
@@ -88,12 +89,15 @@ def is_main() -> bool:
 _device = "cpu"        # where the collectives' tensors must live: nccl wants them on the GPU
 
 
-def init(device: str) -> None:
-    """Join torchrun's process group: nccl on a GPU (this rank's GPU = LOCAL_RANK), gloo on CPUs."""
+def init(device: str, timeout: float = 300.0) -> None:
+    """Join torchrun's process group: nccl on a GPU (this rank's GPU = LOCAL_RANK), gloo on CPUs.
+    timeout: seconds a collective waits for the other ranks (--collective-timeout); past it the
+    collective raises, and train.py ends the job with a line naming this rank (RankLost), where
+    a rank stopped with kill -STOP would otherwise hang the others forever."""
     global _device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
     _device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
 
 

@@ -182,7 +182,7 @@ def start(cfg: Config, out: Path) -> Run:
     log = (lambda *a: None) if cfg.quiet or not main else (lambda s: print(s, file=sys.stderr))
     started = time.time()
     if distributed.launched():
-        distributed.init(device)                     # torchrun: join the other ranks
+        distributed.init(device, cfg.collective_timeout)   # torchrun: join the other ranks
         out = Path(distributed.gather(str(out))[0])  # rank 0's folder (messages name it)
         log(f"torchrun: {distributed.size()} ranks ({'nccl' if device == 'cuda' else 'gloo'}), "
             f"{cfg.batch // distributed.size()} of the {cfg.batch} prompts of a step each")

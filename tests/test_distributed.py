@@ -157,3 +157,32 @@ def test_killed_rank_ends_the_job_with_an_intact_log_and_resume_continues(tmp_pa
     assert steps_logged(run) == list(range(logged[-1] + 4)), "each step once, in order, to the new end"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == logged[-1] + 3
+
+
+def test_a_stopped_rank_ends_the_job_after_the_collective_timeout_naming_a_rank(tmp_path):
+    """Issue 33: a rank stopped with kill -STOP hung the others forever; --collective-timeout
+    bounds the wait and the job ends with the lost-contact line."""
+    run = tmp_path / "run"
+    flags = [*quick(tmp_path, "run"), "--steps", "200", "--save-every", "2", "--collective-timeout", "5"]
+    job = subprocess.Popen([*TORCHRUN, "train.py", *flags], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (run / "checkpoints" / "step-000002").exists():
+        time.sleep(0.2)
+    victim = worker_pid(job.pid, 1)
+    assert victim, "rank 1's process not found"
+    os.kill(victim, signal.SIGSTOP)
+    deadline = time.time() + 120
+    while time.time() < deadline and worker_pid(job.pid, 0):       # rank 0 waits out the timeout, then ends
+        time.sleep(0.2)
+    os.kill(victim, signal.SIGCONT)          # torchrun's SIGTERM reaches the stopped rank (no 30 s grace)
+    try:
+        _, stderr = job.communicate(timeout=150)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(victim, sig)
+            except ProcessLookupError:
+                pass
+    assert job.returncode != 0
+    lost = [line for line in stderr.splitlines() if "lost contact with another rank" in line]
+    assert lost and "rank 0 of 2" in lost[0], stderr[-2000:]
