@@ -64,16 +64,22 @@ class JsonlLog:
 
     def write(self, row: dict) -> None:
         """Append one line. A write the disk refuses (full) loses that line, is said and
-        counted (self.lost), and the run goes on; a line cut short there is dropped on resume."""
+        counted (self.lost), and the run goes on; the part of it that fitted is cut off again,
+        so the file holds whole lines only (the next one was once appended to half a line)."""
         row, bad = finite_json(row)
         if bad:
             row["nonfinite_logged"] = bad
         data = (json.dumps(row, allow_nan=False) + "\n").encode()
+        start = os.lseek(self.fd, 0, os.SEEK_END)          # where this line begins
         try:
             while data:                   # os.write may write less than asked; finish the line
                 data = data[os.write(self.fd, data):]
         except OSError as e:
             self.lost += 1
+            try:                          # the part that fitted goes: the next line starts whole
+                os.ftruncate(self.fd, start)
+            except OSError:
+                pass
             print(f"{self.path.name}: a line was not written ({e}); {self.lost} lost so far",
                   file=sys.stderr)
 

@@ -295,3 +295,25 @@ def test_resuming_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
     assert sorted(p.name for p in aside.iterdir()) == ["step-000003", "step-000004", "step-000005"]
     assert checkpoint.find(run).name == "step-000003"
     assert [json.loads(x)["step"] for x in open(run / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_a_line_the_disk_cuts_short_is_removed_and_the_next_one_starts_whole(tmp_path, monkeypatch, capsys):
+    """Issue 33: a full disk mid-line left half a line, the next line was appended to it, and
+    report.finish died on a JSONDecodeError."""
+    log = checkpoint.JsonlLog(tmp_path / "m.jsonl", append=False)
+    log.write({"step": 1, "loss": 0.5})
+    real, calls = checkpoint.os.write, {"n": 0}
+
+    def full_midway(fd, data):                     # the second line: 10 bytes fit, then ENOSPC
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real(fd, data[:10])
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint.os, "write", full_midway)
+    log.write({"step": 2, "loss": 0.25, "text": "x" * 100})
+    monkeypatch.setattr(checkpoint.os, "write", real)
+    log.write({"step": 3, "loss": 0.125})
+    log.close()
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3] and log.lost == 1
+    assert "a line was not written" in capsys.readouterr().err
