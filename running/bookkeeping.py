@@ -7,11 +7,13 @@ train.py's loop calls end_step once per step; running/session.py sets a run up a
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from safetensors import SafetensorError
 
 import kl
@@ -206,6 +208,13 @@ def save_best(run: Run) -> None:
         run.state.best_checkpoint = before
 
 
+def checkpoint_bytes(run: Run) -> int:
+    """About what a checkpoint takes on disk: the weights and the optimizer's state."""
+    tensors = list(run.learner.models.model.parameters()) + [
+        t for state in run.learner.optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def save(run: Run) -> Path | None:
     """A checkpoint now, and the oldest ones pruned (--keep-checkpoints); None (said, counted
     in the summary) when it cannot be written: a full disk ends that save, not the run."""
@@ -222,9 +231,16 @@ def save(run: Run) -> Path | None:
         try:
             path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
                                    dataclasses.asdict(snapshot), run.rng)
-        except (OSError, SafetensorError) as e:
+        except (OSError, RuntimeError, SafetensorError) as e:         # torch.save's failures are RuntimeErrors
             state.failed_saves += 1
-            run.warn(f"step {state.step}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
+            need, free = checkpoint_bytes(run), shutil.disk_usage(run.out).free
+            if free < need:               # a full disk: stop now, the last good checkpoint untouched
+                state.stopped = (f"the disk is full: the checkpoint of step {state.step} needs about "
+                                 f"{need / 2**20:.0f} MB and {free / 2**20:.0f} MB are free; the last good one "
+                                 f"is {checkpoint.find(run.out) or 'none'}; --resume {run.out} once there is room")
+                run.warn(f"step {state.step}: {state.stopped}")
+            else:
+                run.warn(f"step {state.step}: checkpoint not written ({type(e).__name__}: {e}); the run goes on")
     spare = run.out / state.best_checkpoint if state.best_checkpoint else None    # early stopping's best
     for old in checkpoint.prune(run.out, run.cfg.keep_checkpoints, spare):
         run.log(f"removed checkpoint {old.name} (--keep-checkpoints {run.cfg.keep_checkpoints})")

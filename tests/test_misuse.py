@@ -374,3 +374,28 @@ def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, mon
     summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--eval-every", "1000")))
     assert summary["steps"] == 2 and "SIGTERM" in summary["stopped"]
     assert seen[-1][0] == 2 and seen[-1][1] is not None and seen[-1][1].name == "step-000002", seen
+
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_after(tmp_path, monkeypatch, capsys):
+    """Issue 33: a full disk at a checkpoint gave torch.save's traceback. Now the run stops at
+    once, saying what failed and how much room it needed, exit 1, the last good checkpoint
+    untouched, and --resume works once there is room."""
+    from collections import namedtuple
+    from running import bookkeeping
+    real_save, calls = checkpoint.save, {"n": 0}
+
+    def second_fails(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file")
+        return real_save(*args, **kwargs)
+    monkeypatch.setattr(checkpoint, "save", second_fails)
+    monkeypatch.setattr(bookkeeping.shutil, "disk_usage", lambda path: namedtuple("U", "total used free")(1, 1, 1024))
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "8", "--save-every", "2")))
+    err = capsys.readouterr().err
+    assert summary["steps"] == 4 and "the disk is full" in summary["stopped"] and train.exit_code(summary) == 1
+    assert "needs about" in err and "Traceback" not in err
+    assert checkpoint.find(tmp_path / "run").name == "step-000002"          # the last good one, untouched
+    monkeypatch.undo()
+    resumed = train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "8", "--quiet"]))
+    assert resumed["steps"] == 8 and not resumed["stopped"]
