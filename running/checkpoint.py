@@ -18,6 +18,7 @@ Resume. `python train.py --resume RUN` loads the newest checkpoint, cuts the log
 steps it covers, and goes on; on the CPU the metrics equal those of an uninterrupted run.
 """
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -298,6 +299,31 @@ def load_weights(ckpt: Path, model) -> None:
         model.load_state_dict(read_weights(ckpt, model))
     except ValueError as e:
         raise ResumeError(f"--init-from: {str(ckpt)!r}: {e}") from e
+
+
+def is_busy(run_dir: Path) -> bool:
+    """Whether a run is writing in run_dir now (it holds RUN/.lock: RunLock)."""
+    lock = Path(run_dir) / ".lock"
+    if not lock.exists():
+        return False
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def weights_sha256(ckpt: Path) -> str:
+    """The sha256 of a checkpoint's weight files, in name order: what pins --init-from's start."""
+    digest = hashlib.sha256()
+    for p in sorted(Path(ckpt).glob("*.safetensors")) + sorted(Path(ckpt).glob("*.bin")):
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def set_aside_later(run_dir: Path, step: int) -> Path | None:

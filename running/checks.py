@@ -227,6 +227,8 @@ def init_from_problem(cfg) -> str | None:
     ckpt = checkpoint.starting_point(Path(cfg.init_from))
     if ckpt is None:
         return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
+    if checkpoint.is_busy(checkpoint.run_dir_of(ckpt)):
+        return "that run is still running (its folder is locked): start from it once it has ended"
     try:
         saved = saved_fields(checkpoint.run_dir_of(ckpt), type(cfg))
     except (OSError, ValueError):

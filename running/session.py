@@ -137,11 +137,34 @@ def draw_prompts(run: Run, difficulty: int) -> list:
 
 # ---- setting up ----
 
-def load(cfg: Config, task, device: str, log):
+def init_from_checkpoint(cfg: Config, out: Path) -> dict | None:
+    """The checkpoint --init-from starts from, pinned: {"path", "sha256"} of its weights. A new
+    run takes the parent's best or newest (checkpoint.starting_point) and records it in its
+    config.json; a resumed run keeps to the one recorded, and refuses in one line
+    (ResumeError) if it changed or is gone: the parent's newer checkpoint would otherwise
+    silently become the reference model of the rest of the run."""
+    if not cfg.init_from:
+        return None
+    try:
+        pinned = json.loads((out / "config.json").read_text()).get("init_from_checkpoint") if cfg.resume else None
+    except (OSError, ValueError):
+        pinned = None
+    if pinned is None:                     # a new run (or one recorded before pins existed)
+        ckpt = checkpoint.starting_point(Path(cfg.init_from))
+        return {"path": str(ckpt), "sha256": checkpoint.weights_sha256(ckpt)}
+    path = Path(pinned["path"])
+    if not path.is_dir() or checkpoint.weights_sha256(path) != pinned["sha256"]:
+        raise checkpoint.ResumeError(f"--resume: this run started --init-from {str(path)!r}, which "
+                                     f"{'has changed since' if path.is_dir() else 'is gone'}; its reference "
+                                     f"model cannot be restored (restore that checkpoint, or start a new run)")
+    return pinned
+
+
+def load(cfg: Config, task, device: str, log, init: dict | None = None):
     """The policy and its tokenizer on device, dropout off: a real model (--model: a named
     model, a folder, a hub id; models/pretrained.py) or the tiny model built in code, each
     warm-started on the task's mix (models/policy.py) unless --sft-steps 0; then, with --init-from,
-    another run's weights (checkpoint.starting_point)."""
+    another run's weights (init: the pinned checkpoint, init_from_checkpoint)."""
     default = policy.WARM_START["real" if cfg.model else "tiny"]
     warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
                             default.batch, cfg.sft_seed, cfg.sft_difficulty)
@@ -152,8 +175,8 @@ def load(cfg: Config, task, device: str, log):
         model, tok = policy.real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
     else:
         model, tok = policy.tiny_policy(task, cfg.hidden, cfg.layers, warm, Path(cfg.cache_dir), log)
-    if cfg.init_from:              # a second stage: another run's weights replace the warm start
-        ckpt = checkpoint.starting_point(Path(cfg.init_from))
+    if init:                       # a second stage: another run's weights replace the warm start
+        ckpt = Path(init["path"])
         checkpoint.load_weights(ckpt, model)
         log(f"--init-from: the policy starts from {ckpt}")
     off = policy.disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
@@ -191,7 +214,8 @@ def start(cfg: Config, out: Path) -> Run:
         log(f"--overwrite: removed the earlier run's files from {out}")
     task = tasks.TASKS[cfg.task]
     with distributed.main_first():                   # rank 0 fills the model and warm-start caches
-        model, tok = load(cfg, task, device, log)
+        init = init_from_checkpoint(cfg, out)
+        model, tok = load(cfg, task, device, log, init)
     value_head = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
         ppo.ValueHead(model.config.hidden_size).to(device)                # PPO's critic (ppo.py)
     scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
@@ -239,7 +263,8 @@ def start(cfg: Config, out: Path) -> Run:
         ran_on += f" x {distributed.size()} ranks (torchrun)"
     if main:
         (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on,
-                                                         processes=distributed.size()), indent=2))
+                                                         processes=distributed.size(),
+                                                         **({"init_from_checkpoint": init} if init else {})), indent=2))
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,

@@ -399,3 +399,23 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_
     monkeypatch.undo()
     resumed = train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "8", "--quiet"]))
     assert resumed["steps"] == 8 and not resumed["stopped"]
+
+
+def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_path, capsys):
+    """Issue 33: --init-from a run that was still running was allowed, and a resumed child
+    followed its parent's newest checkpoint, silently switching its reference model."""
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    train.train(config.parse_config(flags(tmp_path, "parent", "--save-every", "2")))
+    with checkpoint.RunLock(parent):                                  # the parent, running again
+        exits_2(capsys, lambda: config.parse_config(flags(tmp_path, "child", "--init-from", str(parent))),
+                "still running")
+    train.train(config.parse_config(flags(tmp_path, "child", "--init-from", str(parent), "--save-every", "2")))
+    pin = json.loads((child / "config.json").read_text())["init_from_checkpoint"]
+    assert pin["path"] == str(parent / "checkpoints" / "step-000004") and len(pin["sha256"]) == 64
+    train.train(config.parse_config(["--resume", str(parent), "--steps", "6", "--quiet"]))   # a newer one
+    train.train(config.parse_config(["--resume", str(child), "--steps", "6", "--quiet"]))
+    assert json.loads((child / "config.json").read_text())["init_from_checkpoint"] == pin      # kept to it
+    shutil.rmtree(parent / "checkpoints" / "step-000004")
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--resume", str(child), "--steps", "8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is gone" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
