@@ -11,7 +11,8 @@ differ (verl: algorithm.filter_groups; TRL only logs frac_reward_zero_std):
     rounds 2 .. R:   while fewer than B are kept, B fresh prompts x K, keep theirs
     the batch:       the first B kept groups, in the order they were sampled
 
-R is the cap (--max-sampling-rounds). At the cap the step trains on the groups it kept,
+R is the cap (--max-sampling-rounds; also --max-sampling-seconds, and a signal to stop ends
+the step after the round in progress: `Budget`). At the cap the step trains on the groups it kept,
 fewer than B (verl stops the run with an error there; here the run goes on and logs
 `groups_kept`); with none kept it returns the last round as sampled, and train.py takes no
 update that step (`update_skipped: no_group_kept`; under --norm global those rejected groups'
@@ -25,6 +26,10 @@ so there the filter throws signal away; the flag allows it, and says so here. PP
 gives every token a baseline) and RCE (equal rewards: plain imitation) are refused, and so is
 torchrun (ranks would sample different numbers of rounds): running/checks.py.
 """
+import time
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 import rollout
@@ -72,16 +77,27 @@ def select(batch: rollout.Rollout, groups: torch.Tensor, k: int) -> rollout.Roll
     return rollout.Rollout(**fields, texts=[batch.texts[i] for i in rows.tolist()], rewards=take(batch.rewards))
 
 
-def sample(sample_round, draw, prompts: list, k: int, max_rounds: int):
-    """Sample rounds of B prompts until B informative groups (or max_rounds rounds).
+@dataclass
+class Budget:
+    """How long one step may go on sampling: rounds at most, seconds at most (near-greedy
+    sampling can make every group one reward, round after round), and stop(), True once the
+    run was asked to stop (a signal): the step then ends after the round in progress."""
+    rounds: int = 8
+    seconds: float = float("inf")
+    stop: Callable[[], bool] = lambda: False
+
+
+def sample(sample_round, draw, prompts: list, k: int, budget: Budget):
+    """Sample rounds of B prompts until B informative groups, or the budget is spent.
 
     sample_round(prompts) -> (Rollout with rewards, outcomes), one per rollout: the task's
     sampling; draw() -> B fresh prompts. Returns (the batch of kept groups, their outcomes,
     their prompts, stats: sampling_rounds, samples_generated, groups_kept)."""
     b = len(prompts)
     parts, outcomes, kept_prompts, kept = [], [], [], 0
-    rounds = 0
-    while kept < b and rounds < max_rounds:
+    rounds, started = 0, time.monotonic()
+    while kept < b and rounds < budget.rounds and (rounds == 0 or (
+            time.monotonic() - started < budget.seconds and not budget.stop())):
         if rounds:
             prompts = draw()
         batch, out = sample_round(prompts)

@@ -61,8 +61,8 @@ def sample_rollouts(learner: Learner, prompts: list, hp: grpo.HyperParams, draw:
             return learner.task.sample(learner.models, prompts, hp.k, learner.sampling,
                                        record_old_logp=not hp.reuse_old_logp)           # rewards (N,)
     try:
-        if learner.dynamic_rounds:    # DAPO: keep only groups whose rewards differ
-            return dynamic_sampling.sample(one_round, draw, prompts, hp.k, learner.dynamic_rounds)
+        if learner.dynamic:           # DAPO: keep only groups whose rewards differ
+            return dynamic_sampling.sample(one_round, draw, prompts, hp.k, learner.dynamic)
         return (*one_round(prompts), prompts, {})
     except rollout.NonFiniteLogits:
         return None, None, prompts, {}

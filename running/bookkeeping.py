@@ -144,9 +144,11 @@ def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
         run.kl_control.update(measured)
     collapsed = state.count(step, stats, row[run.learner.task.FORMAT_KEY], cfg.n)
     row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
-    if row.get("update_skipped") == "no_group_kept":
-        run.log(f"step {step}: dynamic sampling: no group's {cfg.k} rewards differed in "
-                f"{row['sampling_rounds']} rounds of {cfg.batch} prompts; no update this step")
+    if row.get("update_skipped") == "no_group_kept" and "no_group_kept" not in run.said:
+        run.said.add("no_group_kept")            # once: metrics.jsonl's update_skipped marks every such step
+        run.log(f"step {step}: dynamic sampling: in every one of {row['sampling_rounds']} rounds of {cfg.batch} "
+                f"prompts, each prompt's {cfg.k} samples got the same reward, so no group could teach "
+                f"anything; no update this step (said once; update_skipped in metrics.jsonl marks each such step)")
     if stats["nonfinite"] == ["logits"]:
         run.log(f"step {step}: non-finite logits: nothing could be sampled, step skipped "
                 f"({state.skipped} so far, --max-skips {cfg.max_skips})")

@@ -56,6 +56,7 @@ def validate(cfg):
     need(not cfg.dynamic_sampling or not distributed.launched(), "dynamic-sampling",
          "not under torchrun: ranks would sample different numbers of rounds (dynamic_sampling.py)")
     need(cfg.max_sampling_rounds >= 1, "max-sampling-rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
+    need(cfg.max_sampling_seconds > 0, "max-sampling-seconds", f"must be > 0, got {cfg.max_sampling_seconds}")
     need(cfg.rce_temp_start > 0, "rce-temp-start", f"must be > 0, got {cfg.rce_temp_start}")
     need(cfg.rce_temp_end > 0, "rce-temp-end", f"must be > 0, got {cfg.rce_temp_end}")
     need(cfg.reward != "composite" or cfg.task == "dsl", "reward",

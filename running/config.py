@@ -118,6 +118,8 @@ class Config:
                                  "and sample more prompts until B groups differ (dynamic_sampling.py)")
     max_sampling_rounds: int = opt(8, "--dynamic-sampling: rounds of B prompts at most per step; at the cap "
                                    "the step trains on the groups it kept")
+    max_sampling_seconds: float = opt(300.0, "--dynamic-sampling: seconds of sampling at most per step (every group "
+                                      "one reward, round after round, under near-greedy sampling)")
     skip_all_fallback: bool = opt(GRPO.skip_all_fallback, "report 001's guard: no update when every sample is fallback text")
     # sampling
     temperature: float = opt(GRPO.temperature, "sampling temperature for rollouts and evaluation")

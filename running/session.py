@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import transformers
 
+import dynamic_sampling
 import grpo
 import kl
 import logprobs
@@ -47,7 +48,7 @@ class Learner:
     autocast: Callable               # bf16 autocast on a GPU; nothing on a CPU
     scorer: torch.nn.Module          # what the update differentiates: logprobs.Scorer(policy, value
                                      # head), in DDP under torchrun (distributed.replicate)
-    dynamic_rounds: int = 0          # --dynamic-sampling: sampling rounds at most per step; 0 = off
+    dynamic: dynamic_sampling.Budget | None = None   # --dynamic-sampling's budget per step; None = off
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Run:
     interrupts: checkpoint.Interrupts | None = None   # the signals caught (open)
     step_started: float = 0.0        # time.time() at the start of the current step (begin_step)
     summary: dict | None = None      # summary.json's contents, once the run is closed
+    said: set = dataclasses.field(default_factory=set)   # what the log said once already
 
 
 # ---- open and close ----
@@ -88,6 +90,8 @@ def open(cfg: Config):
     with checkpoint.RunLock(out) if main else contextlib.nullcontext():
         run = start(cfg, out)
         with checkpoint.Interrupts(run.log) as run.interrupts:
+            if run.learner.dynamic:           # a signal ends dynamic sampling's rounds within one round
+                run.learner.dynamic.stop = lambda: run.interrupts.signal is not None
             try:
                 yield run
             except RuntimeError as e:                # torchrun: another rank died or hung
@@ -235,7 +239,8 @@ def start(cfg: Config, out: Path) -> Run:
               f"less than k1 near it (kl.py); --kl-estimator auto (or k1) puts k1 there", file=sys.stderr)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, config.sampling(cfg),
-                      autocast, scorer, dynamic_rounds=cfg.max_sampling_rounds if cfg.dynamic_sampling else 0)
+                      autocast, scorer, dynamic=dynamic_sampling.Budget(cfg.max_sampling_rounds, cfg.max_sampling_seconds)
+                      if cfg.dynamic_sampling else None)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
     stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,

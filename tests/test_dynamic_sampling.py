@@ -39,7 +39,7 @@ def test_rounds_go_on_until_b_groups_differ_and_keep_them_in_order():
     # B = 3, K = 2: round 1 has one informative group (prompt 1), round 2 two (prompts 3, 5)
     sample_round, calls = scripted([[1, 1, 0, 1, 0, 0], [1, 0, 0, 0, 0.2, 1], [1, 0, 1, 0, 1, 0]], 2)
     fresh = iter([[3, 4, 5], [6, 7, 8]])
-    batch, outcomes, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1, 2], 2, 8)
+    batch, outcomes, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1, 2], 2, dynamic_sampling.Budget(8))
     assert calls == [[0, 1, 2], [3, 4, 5]], "stops as soon as B groups are kept"
     assert prompts == [1, 3, 5] and outcomes == ["1/0", "1/1", "3/0", "3/1", "5/0", "5/1"]
     assert batch.rewards.tolist() == pytest.approx([0, 1, 1, 0, 0.2, 1])
@@ -51,11 +51,11 @@ def test_rounds_go_on_until_b_groups_differ_and_keep_them_in_order():
 def test_at_the_cap_the_step_keeps_fewer_groups_or_none():
     sample_round, calls = scripted([[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 0]], 2)
     fresh = iter([[2, 3], [4, 5]])
-    batch, _, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2, 2)
+    batch, _, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2, dynamic_sampling.Budget(2))
     assert prompts == [1] and stats == dict(sampling_rounds=2, samples_generated=8, groups_kept=1)
     sample_round, _ = scripted([[1, 1, 0, 0], [0, 0, 1, 1]], 2)
     fresh = iter([[2, 3]])
-    batch, outcomes, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2, 2)
+    batch, outcomes, prompts, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2, dynamic_sampling.Budget(2))
     assert stats["groups_kept"] == 0 and prompts == [2, 3] and batch.rewards.tolist() == [0, 0, 1, 1], \
         "none kept: the last round as sampled"
 
@@ -91,6 +91,21 @@ def test_a_run_with_dynamic_sampling_logs_its_rounds_and_trains_on_differing_gro
             assert r["frac_zero_std_groups"] == 0.0, "a kept batch holds no zero-variance group"
 
 
+@pytest.mark.lesson
+def test_the_budget_in_seconds_and_a_stop_end_the_rounds_after_the_one_in_progress():
+    """Issue 33: near-greedy sampling made every group one reward, round after round; with a
+    huge --max-sampling-rounds a step ran on for minutes and obeyed SIGTERM after ~180 s."""
+    sample_round, calls = scripted([[0, 0, 0, 0]] * 50, 2)
+    fresh = iter([[i, i + 1] for i in range(2, 100, 2)])
+    _, _, _, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2,
+                                             dynamic_sampling.Budget(10 ** 9, seconds=0.0))
+    assert stats["sampling_rounds"] == 1, "the time budget ends the step after its first round"
+    asked = iter([False, False, True])
+    _, _, _, stats = dynamic_sampling.sample(sample_round, lambda: next(fresh), [0, 1], 2,
+                                             dynamic_sampling.Budget(10 ** 9, stop=lambda: next(asked)))
+    assert stats["sampling_rounds"] == 3, "a stop ends the rounds after the one in progress"
+
+
 @pytest.mark.parametrize("norm", ["global", "group"])
 def test_with_no_group_kept_the_step_takes_no_update_and_says_why(norm, tmp_path, monkeypatch, capsys):
     """Issue 33: under --norm global the rejected groups' advantages are not 0 ([-1, -1, 1, 1]
@@ -104,7 +119,8 @@ def test_with_no_group_kept_the_step_takes_no_update_and_says_why(norm, tmp_path
     assert all(r["groups_kept"] == 0 and r["sampling_rounds"] == 2 for r in rows)
     assert all(r["update_skipped"] == "no_group_kept" and r["steps_taken"] == 0 and r["skipped_nonfinite"] == 0
                for r in rows)
-    assert "dynamic sampling: no group's 4 rewards differed in 2 rounds" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("each prompt's 4 samples got the same reward") == 1, err       # said once, in plain words
 
 
 @pytest.mark.parametrize("argv, flag", [
