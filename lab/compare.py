@@ -46,6 +46,7 @@ import torch
 import transformers
 
 from running import checkpoint
+from models import pretrained
 from running import session
 from running import config
 from running import checks
@@ -244,8 +245,20 @@ def main(argv=None):
         args.common = f"--model {shlex.quote(args.model)} {args.common}"
     common = shlex.split(args.common)
     columns = [x for x in args.columns.split(",") if x]
+    owned = [f for f in ("--seed", "--out") if f in common]
+    if owned:
+        p.error(f"--common sets {owned[0]}, which compare sets for every run itself; leave it out")
     for s in args.settings:                       # fail on a bad setting or column before any run
+        flags = [a for a in shlex.split(s) if a.startswith("--")]
+        owned = [f for f in ("--seed", "--out") if f in flags]
+        twice = [f for f in flags if flags.count(f) > 1]
+        if owned or twice:
+            p.error(f"setting {s!r}: " + (f"sets {owned[0]}, which compare sets for every run itself" if owned else
+                                          f"gives {twice[0]} twice; the last one would silently win"))
         held = [run for run in (args.out / "runs" / slug(s)).glob("s*") if checks.holds_run(run)]
+        busy = [run for run in held if checkpoint.is_busy(run)]
+        if busy:
+            p.error(f"--out: a run is writing in {str(busy[0])!r} now; wait for it, or choose another --out")
         if held and not args.overwrite:
             p.error(f"--out: {str(held[0])!r} holds a run already; --overwrite replaces the runs "
                     f"under {str(args.out)!r}, another --out keeps them")
@@ -302,6 +315,11 @@ def checkpoints_problem(runs: list) -> str | None:
             return f"{str(run)!r} is not a run folder (no config.json)"
         if not checkpoint.candidates(run):
             return f"{str(run)!r} holds no checkpoint (train.py --save-every N or --early-stop-patience P)"
+        if checkpoint.is_busy(run):
+            return f"{str(run)!r} is still running (its folder is locked): compare it once it has ended"
+        damaged = [(c, pretrained.cut_short(c)) for c in checkpoint.candidates(run) if pretrained.cut_short(c)]
+        if damaged:
+            return f"{str(damaged[0][0])!r} is damaged: {damaged[0][1]}"
         cfg = run_config(run)
         shape = {name: getattr(cfg, name) for name in checks.SAME_MODEL}
         first = first or shape

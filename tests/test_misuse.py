@@ -448,3 +448,26 @@ def test_init_from_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, capsys)
     weights.write_bytes(weights.read_bytes()[:-64])
     exits_2(capsys, lambda: config.parse_config(flags(tmp_path, "child", "--init-from", str(tmp_path / "parent"))),
             "is damaged")
+
+
+@pytest.mark.parametrize("setting, says", [
+    ("--k 8 --seed 3", "sets --seed"), ("--out /tmp/elsewhere", "sets --out"), ("--k 8 --k 4", "gives --k twice"),
+    ("'--k 8'", "unrecognized arguments"),
+])
+def test_compare_refuses_a_setting_it_would_silently_change(setting, says, tmp_path, capsys):
+    """Issue 33: a setting giving --seed or --out (compare sets both per run) or a flag twice was
+    run with the last value silently winning; a quoted flag is one argument train.py refuses."""
+    exits_2(capsys, lambda: compare.main([setting, "--seeds", "1", "--out", str(tmp_path)]), says)
+
+
+def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
+    common = "--steps 2 --sft-steps 5 --batch 2 --k 4 --hidden 16 --layers 1 --quiet --cache-dir " + str(tmp_path / "c")
+    compare.main(["--k 4", "--seeds", "1", "--common", common, "--out", str(tmp_path / "cmp")])
+    (run,) = (tmp_path / "cmp" / "runs").glob("*/s0")
+    with checkpoint.RunLock(run):
+        exits_2(capsys, lambda: compare.main(["--k 4", "--seeds", "1", "--common", common, "--out",
+                                              str(tmp_path / "cmp"), "--overwrite"]), "is writing in")
+    train.train(config.parse_config(flags(tmp_path, "r", "--save-every", "2")))
+    weights = tmp_path / "r" / "checkpoints" / "step-000002" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    exits_2(capsys, lambda: compare.checkpoints_main([str(tmp_path / "r"), "--out", str(tmp_path / "o")]), "is damaged")
