@@ -30,6 +30,7 @@ import json
 import multiprocessing
 import os
 import shlex
+import signal
 import subprocess
 import statistics
 import sys
@@ -100,8 +101,23 @@ def pool(jobs: int) -> ProcessPoolExecutor:
     if jobs not in _POOLS:
         threads = max(1, (os.cpu_count() or 1) // jobs)
         _POOLS[jobs] = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                           initializer=torch.set_num_threads, initargs=(threads,))
+                                           initializer=worker_init, initargs=(threads,))
     return _POOLS[jobs]
+
+
+def worker_init(threads: int) -> None:
+    """A worker's start: its share of the CPU threads, and Ctrl-C ignored while it waits (a
+    terminal's Ctrl-C reaches every process of the group; an idle worker printed a traceback).
+    A run in it still stops cleanly: train.py catches SIGINT for as long as it runs."""
+    torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def stop_pools() -> None:
+    """Ctrl-C in this process: no queued run starts; the running ones stop at their step's end
+    (each got the same Ctrl-C), and the workers end with them."""
+    for executor in _POOLS.values():
+        executor.shutdown(wait=False, cancel_futures=True)
 
 
 def run_in_worker(argv: list) -> dict:
@@ -419,5 +435,6 @@ if __name__ == "__main__":
             sys.exit(0)
         main()
     except KeyboardInterrupt:
+        stop_pools()
         print("python -m lab.compare: interrupted; the finished runs' folders are kept", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(130)                 # after the running runs' current step: each stops cleanly

@@ -471,3 +471,22 @@ def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
     weights = tmp_path / "r" / "checkpoints" / "step-000002" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
     exits_2(capsys, lambda: compare.checkpoints_main([str(tmp_path / "r"), "--out", str(tmp_path / "o")]), "is damaged")
+
+
+def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_path):
+    """Issue 33: a terminal's Ctrl-C reaches every process of the group; compare's idle worker
+    processes printed tracebacks, and queued runs went on starting."""
+    common = ("--steps 400 --sft-steps 5 --batch 2 --k 4 --hidden 16 --layers 1 --eval-every 1000 --cache-dir "
+              + str(tmp_path / "c"))
+    proc = subprocess.Popen([sys.executable, "-m", "lab.compare", "--k 4", "--seeds", "4", "--jobs", "2",
+                             "--common", common, "--out", str(tmp_path / "cmp")], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((tmp_path / "cmp").glob("runs/*/s*/metrics.jsonl")):
+        time.sleep(0.2)
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGINT)                       # as a terminal's Ctrl-C: the whole group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "python -m lab.compare: interrupted; the finished runs' folders are kept"
