@@ -121,11 +121,17 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     if batch is not None:
         run.samples.write({"step": step, "split": "train", "samples": report.train_samples(
             batch, outcomes, prompts, task, cfg.log_samples)})
+    full = [log.path.name for log in (run.metrics, run.samples) if log.full]
+    if full and not state.stopped:          # stop now: the last good checkpoint stays, --resume redoes the step
+        state.stopped = (f"the disk is full: a line of {full[0]} could not be written; --resume {run.out} once "
+                         f"there is room")
+        run.warn(f"step {step}: {state.stopped}")
     if main:
         report.progress(cfg, task, row, state.last_eval)
     if best and patience:                  # main only: early stopping keeps the best's weights
         save_best(run)
-    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal:
+    # a log the disk cut short: no checkpoint of this step (its line is lost), the last good one stays
+    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal and not full:
         path = save(run)
     if state.stopped:
         saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"

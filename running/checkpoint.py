@@ -17,6 +17,7 @@ mid-write never leaves half a checkpoint under the final name.
 Resume. `python train.py --resume RUN` loads the newest checkpoint, cuts the logs back to the
 steps it covers, and goes on; on the CPU the metrics equal those of an uninterrupted run.
 """
+import errno
 import fcntl
 import hashlib
 import json
@@ -54,13 +55,25 @@ def finite_json(row: dict) -> tuple[dict, list]:
     return clean(row, ""), bad
 
 
+def write_whole(path: Path, text: str) -> None:
+    """path's new contents, whole or not at all: written beside (PATH.tmp-PID) and renamed over
+    it, so a full disk or a kill mid-write leaves the old file or none, never half of one."""
+    tmp = Path(path).with_name(f"{Path(path).name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class JsonlLog:
     """Append-only JSON-lines file: one complete line per os.write, nothing buffered. A
     non-finite number is written as null, and the line lists its keys under `nonfinite_logged`."""
 
     def __init__(self, path: Path, append: bool):
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-        self.path, self.lost = Path(path), 0
+        self.path, self.lost, self.full = Path(path), 0, False      # full: the disk refused a line
         self.fd = os.open(path, flags, 0o644)
 
     def write(self, row: dict) -> None:
@@ -77,6 +90,7 @@ class JsonlLog:
                 data = data[os.write(self.fd, data):]
         except OSError as e:
             self.lost += 1
+            self.full = self.full or e.errno in (errno.ENOSPC, errno.EDQUOT)
             try:                          # the part that fitted goes: the next line starts whole
                 os.ftruncate(self.fd, start)
             except OSError:
@@ -90,7 +104,7 @@ class JsonlLog:
 
 class NoLog:
     """What a rank other than rank 0 writes its logs to under torchrun: nothing."""
-    lost = 0
+    lost, full = 0, False
 
     def write(self, row: dict) -> None:
         pass

@@ -202,8 +202,11 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
                    explained_variance_end=statistics.median(ev) if ev else None,
                    seconds=round(state.seconds, 1), peak_memory_mb=round(peak_memory_mb()), out=str(out))
     summary, _ = checkpoint.finite_json(summary)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
-    plots.plot_run(out)
+    checkpoint.write_whole(out / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
+    try:
+        plots.plot_run(out)
+    except OSError as e:                            # a full disk: the summary is written, the figure not
+        print(f"train.py: curves.png not written ({e}); summary.json is whole", file=sys.stderr)
     headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
                          for key in task.HEADLINE)
     log(f"{'stopped' if state.stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "

@@ -267,7 +267,7 @@ def start(cfg: Config, out: Path) -> Run:
     if distributed.launched():
         ran_on += f" x {distributed.size()} ranks (torchrun)"
     if main:
-        (out / "config.json").write_text(json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on,
+        checkpoint.write_whole(out / "config.json", json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on,
                                                          processes=distributed.size(),
                                                          **({"init_from_checkpoint": init} if init else {})), indent=2))
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()

@@ -490,3 +490,28 @@ def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == "python -m lab.compare: interrupted; the finished runs' folders are kept"
+
+
+def test_a_full_disk_while_logging_stops_the_run_in_one_line_and_resume_redoes_the_step(tmp_path, monkeypatch, capsys):
+    """Issue 33: on a full disk the run went on writing into a log with a hole in it. Now it stops
+    at that step (exit 1), every line whole, and --resume continues once there is room."""
+    real = checkpoint.JsonlLog.write
+
+    def enospc(fd, data):
+        raise OSError(28, "No space left on device")
+
+    def write(self, row):
+        if self.path.name == "metrics.jsonl" and row.get("step") == 3:
+            with monkeypatch.context() as m:
+                m.setattr(checkpoint.os, "write", enospc)
+                return real(self, row)
+        return real(self, row)
+    monkeypatch.setattr(checkpoint.JsonlLog, "write", write)
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "6", "--save-every", "2")))
+    err = capsys.readouterr().err
+    assert summary["steps"] == 3 and "the disk is full" in summary["stopped"] and train.exit_code(summary) == 1
+    assert "a line of metrics.jsonl could not be written" in err
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]       # whole lines only
+    monkeypatch.undo()
+    resumed = train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6", "--quiet"]))
+    assert resumed["steps"] == 6 and [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == list(range(7))
