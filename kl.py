@@ -46,7 +46,7 @@ How beta moves (`--kl-control`), once per step, from a measured KL (READS says w
             (adaptive_kl_beta): beta x1.5 when KL > --kl-target-max, /1.5 when KL <
             --kl-target-min, unchanged in between; clamped to [0.001, 10]. KL: the update's own,
             the batch's token mean of k3 between the policy that sampled and the policy after
-            the update's epochs (approx_kl). From 10 to the floor in 23 steps below the range.
+            the update (update.policy_shift). From 10 to the floor in 23 steps below the range.
     range-ref   this project's earlier reading of report 003: the same range and clamp, but
             x0.8 below it and the rollouts' KL to the reference (42 steps from 10 to the floor).
     proportional   Ziegler et al. (2019), as TRL's AdaptiveKLController and verl's and
@@ -72,8 +72,8 @@ ESTIMATORS = ("k1", "k2", "k3")
 REWARD_ESTIMATOR, LOSS_ESTIMATOR = "k1", "k3"      # --kl-estimator auto, by where the KL goes
 CONTROLS = ("fixed", "ratio", "range", "range-ref", "proportional")
 # which measured KL each rule reads: the step's rollouts' KL to the reference ("kl"), or the
-# update's KL between the policy before and after it ("approx_kl": report 003's code)
-READS = {"fixed": "kl", "ratio": "kl", "range": "approx_kl", "range-ref": "kl", "proportional": "kl"}
+# update's KL between the policy before and after it ("policy_shift": report 003's code)
+READS = {"fixed": "kl", "ratio": "kl", "range": "policy_shift", "range-ref": "kl", "proportional": "kl"}
 
 
 def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kl
 from advantages import all_sum, world_size
 
 
@@ -159,3 +160,28 @@ def update(scorer, optimizer, batch, hp, loss_fn) -> dict:
         if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
             break
     return stats.result()
+
+
+# ---- after the loop: how far it moved the policy ----
+
+def policy_shift(scorer, batch, hp) -> float | None:
+    """The token mean over the batch of k3 between the policy that sampled (old_logp) and the
+    policy after the update, x = logp_new - logp_old:
+
+        shift = sum_it mask_it * (exp(x_it) - x_it - 1) / sum_it mask_it       (KL(old || new))
+
+    One forward without gradient, hp.micro_batch sequences at a time, summed over every
+    process. Not approx_kl: that one is measured in the last epoch's forward, before its
+    optimizer step, so with one epoch it is 0. Report 003's range rule reads this number
+    (kl.READS). None when the batch has no old log-probs (--fast reused the update's own)."""
+    if batch.old_logp is None:
+        return None
+    total = torch.zeros(2, dtype=torch.float64)                                   # (sum k3, tokens)
+    with torch.no_grad():
+        for start in range(0, len(batch.completion_mask), hp.micro_batch):
+            rows = batch.rows(torch.arange(start, min(start + hp.micro_batch, len(batch.completion_mask))))
+            logp, _, _ = scorer(rows.tokens, hp.temperature, False)                # (n, C)
+            k3 = kl.estimate(rows.old_logp, logp, "k3") * rows.mask                # (n, C)
+            total += torch.tensor([k3.sum().item(), rows.mask.sum().item()], dtype=torch.float64)
+    total = all_sum(total)
+    return (total[0] / total[1].clamp_min(1)).item()

@@ -27,6 +27,8 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     epochs_run                epochs actually run (fewer when --target-kl stopped them)
     value_loss, explained_variance   PPO: the critic's loss and 1 - Var(G - V) / Var(G)
                               on the rollouts (undefined, and wild, when every return is equal)
+    policy_shift              --kl-control range: token-mean k3 between the policy that sampled
+                              and the policy after the update (update.policy_shift)
     kl, kl_coef               token-mean k3 estimate of KL(policy || reference) on the step's
                               rollouts, before the update (null without a reference); the
                               beta used this step (kl.py moves it from kl)

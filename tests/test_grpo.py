@@ -163,3 +163,23 @@ def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():
     qwen = Qwen2ForCausalLM(cfg)
     assert policy.disable_dropout(qwen) == 1 and qwen.config.attention_dropout == 0.0
     assert first_epoch_ratio_stats(qwen)["approx_kl"] == 0.0
+
+
+@pytest.mark.lesson
+def test_policy_shift_is_the_k3_the_update_made_where_one_epochs_approx_kl_is_zero():
+    """approx_kl is measured before each mini-batch's step: with one epoch of one mini-batch it
+    is exactly 0 on-policy. policy_shift, one forward after the update, is the KL(old || new)
+    the step made (report 003's range rule reads it), checked against a plain loop."""
+    model = tiny_model()
+    batch = synthetic_batch(model)
+    with torch.no_grad():
+        batch.old_logp, _ = logprobs.completion_logprobs(model, batch.tokens())       # on-policy
+    hp = HyperParams(mini_batch=8, micro_batch=4, max_len=6)
+    stats = grpo_update(logprobs.Scorer(model), torch.optim.SGD(model.parameters(), lr=1.0), batch, hp)
+    assert stats["approx_kl"] == 0.0
+    with torch.no_grad():
+        new, _ = logprobs.completion_logprobs(model, batch.tokens())
+    terms = [math.exp(n - o) - (n - o) - 1 for row_n, row_o, row_m in zip(new.tolist(), batch.old_logp.tolist(),
+             batch.completion_mask.tolist()) for n, o, m in zip(row_n, row_o, row_m) if m]
+    shift = update.policy_shift(logprobs.Scorer(model), batch, hp)
+    assert shift > 0 and shift == pytest.approx(sum(terms) / len(terms), rel=1e-4)

@@ -81,7 +81,7 @@ def test_report_003_range_rule_is_its_codes_rule_and_reaches_the_floor_in_23_ste
     assert betas.index(0.001) + 1 == 23                                   # /1.5 a step, to the floor
     assert c.update(0.03) == 0.001                                       # in range: beta stays on the floor
     assert c.update(0.5) == pytest.approx(0.0015)                        # above the range: x1.5
-    assert kl.READS["range"] == "approx_kl", "report 003's code reads the update's KL, old to new policy"
+    assert kl.READS["range"] == "policy_shift", "report 003's code reads the update's KL, old to new policy"
 
 
 def test_our_earlier_range_reading_is_kept_as_range_ref_and_takes_42_steps():
