@@ -91,8 +91,9 @@ def _check(rewards: torch.Tensor, k: int, norm: str) -> None:
         raise ValueError(f"unknown norm {norm!r}; expected one of {', '.join(NORMS)}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N = B*K), got shape {tuple(rewards.shape)}")
-    if group_size_problem(k, norm):
-        raise ValueError(group_size_problem(k, norm))
+    problem = group_size_problem(k, norm)
+    if problem:
+        raise ValueError(problem)
     if rewards.numel() == 0 or rewards.numel() % k != 0:
         raise ValueError(f"N={rewards.numel()} rewards cannot be split into groups of k={k}")
     if not torch.isfinite(rewards).all():

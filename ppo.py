@@ -16,7 +16,7 @@ The critic, two ways (--critic):
   from a fine-tuned checkpoint, not from scratch).
 Either way the critic's parameters are a second group of the one AdamW optimizer, at
 --critic-lr (report 000: 1e-5 against the actor's 1e-6, ten times), scheduled with the
-policy's lr and gradient-clipped on its own (grpo.optimizer_step).
+policy's lr and gradient-clipped on its own (update.optimizer_step).
 
 One PPO step, per token t of sequence i:
 
@@ -147,6 +147,7 @@ def loss(logp, entropy, values, rows, mb, hp: PPOParams) -> tuple[torch.Tensor, 
     """The mini-batch's share of PPO's loss from one micro-batch, and its per-token sums:
 
         loss = aggregate(-min(ratio * A, clip(ratio) * A) + vf_coef * L_value - entropy_coef * H)
+                                                          (+ beta * kl with --kl-in loss)
 
     GRPO's policy terms (grpo.policy_loss) with the critic's value loss added; values (n, C)
     are the critic's now, rows.old_values and rows.returns its values when sampled and GAE's

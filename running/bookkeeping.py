@@ -92,11 +92,11 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     batch, outcomes, prompts = sampled
     cfg, state, task = run.cfg, run.state, run.learner.task
     step = row["step"]
-    # a signal reaches one rank at a time: every rank stops at the step any of them got one
-    # (the step's last collective; account's other inputs are the same on every rank)
     if kl.READS[cfg.kl_control] == "policy_shift" and batch is not None and stats["steps_taken"]:
         with run.learner.autocast():          # report 003's range rule: the KL the update made
             stats["policy_shift"] = update.policy_shift(run.learner.scorer, batch, run.hp)
+    # a signal reaches one rank at a time: every rank stops at the step any of them got one
+    # (the step's last collective; account's other inputs are the same on every rank)
     signal = distributed.first_reason(run.interrupts.signal)
     state.stopped = account(run, row, stats, signal)
     main = distributed.is_main()

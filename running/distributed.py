@@ -72,7 +72,7 @@ def active() -> bool:
 
 
 def size() -> int:
-    """W, the number of ranks: the process group's, else torchrun's WORLD_SIZE (config.py checks
+    """W, the number of ranks: the process group's, else torchrun's WORLD_SIZE (running/checks.py checks
     the batch against it before the group exists), else 1."""
     return dist.get_world_size() if active() else int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -169,7 +169,7 @@ def main_first():
 # ---- the split ----
 
 def shard(items: list) -> list:
-    """This rank's share of the step's B prompts: items r*B/W ... (r+1)*B/W - 1 (config.py
+    """This rank's share of the step's B prompts: items r*B/W ... (r+1)*B/W - 1 (running/checks.py
     refuses a B that does not split)."""
     n = len(items) // size()
     return items[rank() * n:(rank() + 1) * n]

@@ -192,7 +192,7 @@ def load(cfg: Config, task, device: str, log, init: dict | None = None):
 def param_groups(cfg: Config, model, critic) -> list:
     """The optimizer's parameter groups: the policy's; PPO's critic (a value head, or with
     --critic separate a network) in a group of its own at --critic-lr, clipped on its own
-    (grpo.optimizer_step). A shared value head at --lr stays in the policy's group, one clip
+    (update.optimizer_step). A shared value head at --lr stays in the policy's group, one clip
     over both, as before --critic-lr existed."""
     if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
         return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
