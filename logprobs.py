@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+import shared_prefix
+
 
 class Tokens(NamedTuple):
     """The four tensors one forward over prompt + completion needs."""
@@ -22,6 +24,7 @@ class Tokens(NamedTuple):
     prompt_mask: torch.Tensor       # (n, P) 1 on real prompt tokens
     completion_ids: torch.Tensor    # (n, C) right-padded
     attention: torch.Tensor         # (n, C) 1 on every real completion token (policy's or not)
+    share: bool = False             # rows that repeat a prompt may share its forward (shared_prefix.py)
 
 
 # ---- log-probabilities ----
@@ -150,10 +153,14 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
 def completion_hidden(trunk, tokens: Tokens):
     """The trunk's (a model's base_model: no LM head) last hidden states at the C + 1 last
     positions, (n, C+1, H); position j predicts completion token j + 1. Positions are counted
-    from the first real token, as `generate` counts them, so left padding does not shift them."""
-    ids = torch.cat([tokens.prompt_ids, tokens.completion_ids], dim=1)      # (n, P+C)
+    from the first real token, as `generate` counts them, so left padding does not shift them.
+    With tokens.share and rows that repeat a prompt, each distinct prompt is encoded once
+    (shared_prefix.py: the same hidden states, less work)."""
     attn = torch.cat([tokens.prompt_mask, tokens.attention], dim=1)         # (n, P+C)
     positions = (attn.cumsum(-1) - 1).clamp_min(0)                          # (n, P+C)
+    if shared_prefix.worth_it(tokens):
+        return shared_prefix.hidden(trunk, tokens, positions, attn)         # (n, C+1, H)
+    ids = torch.cat([tokens.prompt_ids, tokens.completion_ids], dim=1)      # (n, P+C)
     return trunk(input_ids=ids, attention_mask=attn, position_ids=positions,
                  use_cache=False).last_hidden_state[:, -(tokens.completion_ids.shape[1] + 1):]
 

@@ -68,6 +68,7 @@ class Rollout:
     returns: torch.Tensor | None = None      # (N, C) the critic's targets (PPO)
     completion_attn: torch.Tensor | None = None  # (N, C) attention over the completion when it
                                                  # differs from the mask (environment tokens)
+    share_prefix: bool = False      # forwards encode each distinct prompt once (shared_prefix.py)
 
     def attention(self, idx=slice(None)) -> torch.Tensor:
         """(n, C) attention mask of the completion: every real token, policy's or not."""
@@ -84,7 +85,7 @@ class Rollout:
     def tokens(self, idx=slice(None)) -> Tokens:
         """The rows idx as the four tensors of a forward (logprobs.completion_logprobs)."""
         return Tokens(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
-                      self.attention(idx))
+                      self.attention(idx), self.share_prefix)
 
     def rows(self, idx, trim: bool = False) -> Rows:
         """The rows idx for one forward of the update. trim (--fast) drops the columns that are
@@ -100,7 +101,7 @@ class Rollout:
         def cut(t):                                                    # (N, C) -> (n, kept C)
             return None if t is None else t[idx][:, cols]
         adv = self.advantages[idx] if self.advantages.dim() == 1 else cut(self.advantages)
-        return Rows(Tokens(p_ids, p_mask, self.completion_ids[idx][:, cols], attn[:, cols]),
+        return Rows(Tokens(p_ids, p_mask, self.completion_ids[idx][:, cols], attn[:, cols], self.share_prefix),
                     cut(self.completion_mask), cut(self.old_logp), cut(self.ref_logp), adv,
                     cut(self.old_values), cut(self.returns))
 
@@ -178,7 +179,7 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     completion_ids = completion_ids.masked_fill(mask == 0, tok.pad_token_id)
     decoded = tok.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
-                    None, None, [d.strip() for d in decoded])
+                    None, None, [d.strip() for d in decoded], share_prefix=sampling.shared_prefix)
     return score_logprobs(batch, models, sampling, record_old_logp)
 
 
@@ -271,7 +272,8 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
     attn = pad([[1] * len(r) for r in ids], 0, device=device)                  # (N, C)
     p_ids, p_attn = left_pad(prompts, tok.pad_token_id, device)
     texts = [tok.decode(r, skip_special_tokens=True).strip() for r in ids]
-    batch = Rollout(p_ids, p_attn, completion_ids, mask, None, None, texts, completion_attn=attn)
+    batch = Rollout(p_ids, p_attn, completion_ids, mask, None, None, texts, completion_attn=attn,
+                    share_prefix=sampling.shared_prefix)
     return score_logprobs(batch, models, sampling, record_old_logp), infos, turns
 
 

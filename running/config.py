@@ -89,6 +89,8 @@ class Config:
     fast: bool = opt(GRPO.fast, "the fast path: old log-probs from the update's own forward (GRPO, one update "
                             "per batch), micro-batches sorted by length and cut to their longest sequence")
     compile: bool = opt(False, "CUDA: generate with a static KV cache that torch.compile specialises on")
+    no_shared_prefix: bool = opt(False, "encode a group's prompt once per sequence, as a plain forward does, "
+                                 "not once per group (shared_prefix.py: the same numbers, for comparison)")
     # KL to the reference (kl.py)
     beta: float = opt(GRPO.beta, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
                       aliases=("--kl-coef",))
@@ -227,6 +229,7 @@ def sampling(cfg: Config) -> tasks.Sampling:
     """How the task samples and scores rollouts (training and evaluation alike)."""
     return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=new_tokens(cfg),
                           forward_batch=cfg.micro_batch or None, static_cache=cfg.compile,
+                          shared_prefix=not cfg.no_shared_prefix,
                           max_turns=cfg.max_turns, reward=cfg.reward, reward_clip=cfg.reward_clip or None,
                           process_reward=not cfg.drop_process_reward)
 

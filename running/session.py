@@ -28,6 +28,7 @@ import kl
 import logprobs
 import ppo
 import rollout
+import shared_prefix
 import tasks
 from models import policy, pretrained
 from running import checkpoint, config, distributed, monitor, report, schedules
@@ -238,7 +239,7 @@ def start(cfg: Config, out: Path) -> Run:
         print(f"train.py: warning: --kl-estimator {cfg.kl_estimator} in the reward pulls toward the reference far "
               f"less than k1 near it (kl.py); --kl-estimator auto (or k1) puts k1 there", file=sys.stderr)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, config.sampling(cfg),
+    learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, sampling(cfg, model, log),
                       autocast, scorer, dynamic=dynamic_sampling.Budget(cfg.max_sampling_rounds, cfg.max_sampling_seconds)
                       if cfg.dynamic_sampling else None)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
@@ -284,6 +285,19 @@ def start(cfg: Config, out: Path) -> Run:
         log("step 0: held-out " + ", ".join(f"{key} {state.first_eval['eval_' + key]:.2f}"
                                             for key in task.HEADLINE))
     return run
+
+
+def sampling(cfg: Config, model, log) -> tasks.Sampling:
+    """config.sampling(cfg), with the shared-prefix forward only where this model's cache can be
+    shared over rows (shared_prefix.mismatch): else the plain forward, said in one line."""
+    chosen = config.sampling(cfg)
+    if chosen.shared_prefix:
+        error = shared_prefix.mismatch(model)
+        if not error < 1e-3:
+            log(f"shared prefix: off: {type(model).__name__}'s cache cannot be shared over rows (log-probs off "
+                f"by {error:.3g}); every sequence encodes its own prompt")
+            chosen = dataclasses.replace(chosen, shared_prefix=False)
+    return chosen
 
 
 def prompts_of(task, cfg: Config) -> dict:

@@ -4,7 +4,9 @@ number of ranks computed on this rank's share: the advantages of every estimator
 sums over ranks, and without them), PPO's whitened advantages, one GRPO update's gradient for
 every loss aggregation (and with per-rank denominators), one PPO update's, and the step's
 metrics. Rank r saves them to OUT/rank{r}.pt; the test computes the one-process values on
-the whole batch (`one_process`) and compares.
+the whole batch (`one_process`) and compares. The K rows of a group share their prompt; the
+ranks encode it once per group (shared_prefix.py), the one-process reference once per row, so
+the comparison also shows the shared forward under DDP equal to the plain one.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT
 """
@@ -42,8 +44,14 @@ def whole_batch():
     per-token advantages for PPO's whitening."""
     model = tiny_model()
     batch = synthetic_batch(model, n=N, seed=3)
+    batch.prompt_ids = batch.prompt_ids[::K].repeat_interleave(K, 0)                     # grouped
+    batch.prompt_mask = batch.prompt_mask[::K].repeat_interleave(K, 0)                   # (N, P)
     batch.completion_ids[1:3, 1] = 1                                                     # EOS
     batch.completion_mask = completion_mask(batch.completion_ids, 1)
+    with torch.no_grad():
+        old = logprobs.completion_logprobs(model, batch.tokens())[0]
+    batch.old_logp = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5))
+    batch.ref_logp = old - 0.1
     batch.rewards = REWARDS.clone()
     gen = torch.Generator().manual_seed(4)
     batch.old_values = 0.1 * torch.randn(batch.completion_mask.shape, generator=gen)     # (N, C)
@@ -111,5 +119,6 @@ if __name__ == "__main__":
     distributed.init("cpu")
     r, w = distributed.rank(), distributed.size()
     share = slice(r * N // w, (r + 1) * N // w)            # whole groups: K divides N / w
-    torch.save(compute(take(whole_batch(), share), CLASSES[share], w), Path(sys.argv[1]) / f"rank{r}.pt")
+    mine = dataclasses.replace(take(whole_batch(), share), share_prefix=True)
+    torch.save(compute(mine, CLASSES[share], w), Path(sys.argv[1]) / f"rank{r}.pt")
     distributed.close()

@@ -27,7 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from running import evaluate
 from models import policy
 from models import pretrained
+import logprobs
 import rollout
+import shared_prefix
 import tasks
 from tasks import tool_task
 from tasks import workflow_task
@@ -114,6 +116,25 @@ def test_a_turn_ends_at_its_stop_string_though_it_is_several_tokens(base):
         for text in turns:
             hits = [s for s in STOP_STRINGS if s in text]
             assert not hits or text.endswith(hits[0]), text
+
+
+def test_the_shared_prefix_forward_is_exact_on_smollm2(base):
+    """shared_prefix.py on the real model: 3 DSL prompts of different lengths in the chat
+    template (left-padded), 2 sampled completions each; log-probs, entropies, GRPO's loss and
+    every parameter's gradient equal the plain forward's to 1e-5 relative."""
+    from test_shared_prefix import assert_same, loss_and_grads
+    prompts = workflow_task.prompts("train")[:3]
+    torch.manual_seed(1)
+    batch, _ = workflow_task.sample(base, prompts, 2, tasks.Sampling(max_new_tokens=6))
+    assert len(set(batch.prompt_mask.sum(1).tolist())) > 1, "prompts of different lengths"
+    with torch.no_grad():
+        batch.old_logp, _ = logprobs.completion_logprobs(base.model, batch.tokens())
+    batch.ref_logp = batch.old_logp - 0.1
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
+    assert shared_prefix.mismatch(base.model) < 1e-3
+    assert_same(loss_and_grads(base.model, batch, False, k=2), loss_and_grads(base.model, batch, True, k=2),
+                batch.completion_mask)
+    base.model.zero_grad(set_to_none=True)
 
 
 def test_a_short_warm_start_lands_near_report_001s_starting_mix(base, warm):

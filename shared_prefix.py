@@ -1,0 +1,97 @@
+"""The shared-prefix forward: a group's K sequences share their whole prompt, so encode it once.
+
+A GRPO step scores N = B*K sequences, prompt + completion, four or more times: the old
+log-probs, the reference's, the update's forward and its backward. The K samples of a prompt
+repeat that prompt K times, and with a real model the prompt is most of the sequence
+(SmolLM2 on the DSL task: about 90 prompt tokens, at most 24 completion tokens), so most of
+the work is the same prompt encoded K times. Prefix Grouper (Liu et al. 2025, "Efficient GRPO
+Training through Shared-Prefix Forward"; verl's `use_prefix_grouper`) removes it; this is the
+same idea with a Hugging Face model's own KV cache:
+
+    1. the distinct prompts of the rows, U of them:   (U, P)    (U = B when the rows are a batch)
+    2. one forward over them, keeping their keys and values (past_key_values) with their graph
+    3. those keys and values copied to the rows that share each prompt (index_select: (U,..) -> (n,..))
+    4. one forward over the completions (n, C), attending to the copied prefix; positions
+       continue after each row's prompt, as in one forward over prompt + completion
+
+The log-probs are those of the plain forward: each completion token attends to the same keys
+and values at the same positions; only the order of float additions differs (~1e-6 relative).
+The gradient is the same too: index_select's backward adds the K rows' gradients into their
+prompt's keys and values, which is what K copies of the prompt would each have received and
+their shared weights summed. Cost: U*P + n*C tokens instead of n*(P + C) (B=4, K=4, 90 + 24
+tokens: 744 instead of 1,824).
+
+Why the KV cache and not a block attention mask (one row holding the prompt and the K
+completions, each completion masked from the others, Prefix Grouper's own layout): the cache
+needs nothing from the model but what `generate` already uses, keeps the (n, C) shapes every
+other lesson reads, and works with left-padded prompts of different lengths. What it costs:
+each completion still attends to all P prompt keys, and the prompt's keys are copied K times
+(small: 2 x layers x P x kv heads x head size per row).
+
+A model whose cache cannot be copied over rows this way (a recurrent state, a sliding window
+that drops the prompt, a model that ignores past_key_values) would give wrong log-probs:
+`mismatch` measures it on random tokens when a model is loaded, and the run falls back to the
+plain forward (running/session.py says so in one line). `python -m lab.bench --model
+smollm2-135m` times both; `tests/test_shared_prefix.py` checks log-probs, entropies, the loss
+and every gradient against the plain forward.
+"""
+import torch
+
+
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """The U distinct (ids, mask) prompt rows of n rows: (rows (U,), inverse (n,)) where
+    rows[u] is one row holding prompt u and inverse[i] the prompt of row i."""
+    key = torch.cat([prompt_ids, prompt_mask], dim=1)                       # (n, 2P)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)              # (n,) in 0..U-1
+    rows = torch.empty(int(inverse.max()) + 1, dtype=torch.long, device=key.device)
+    rows[inverse] = torch.arange(len(inverse), device=key.device)           # (U,) any row of each
+    return rows, inverse
+
+
+def hidden(trunk, tokens, positions: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """The trunk's last hidden states at the C + 1 last positions, (n, C+1, H), as one forward
+    over prompt + completion gives them, with each distinct prompt encoded once.
+
+    tokens: logprobs.Tokens (prompt (n, P) left-padded, completion (n, C)); positions and
+    attention: (n, P+C), the plain forward's (logprobs.completion_hidden computes them)."""
+    p_len = tokens.prompt_ids.shape[1]
+    rows, inverse = distinct_prompts(tokens.prompt_ids, tokens.prompt_mask)  # (U,), (n,)
+    # 1-2. each distinct prompt once, its keys and values kept (with their graph)
+    prefix = trunk(input_ids=tokens.prompt_ids[rows], attention_mask=tokens.prompt_mask[rows],
+                   position_ids=positions[rows, :p_len], use_cache=True)
+    cache = prefix.past_key_values                                          # U rows per layer
+    # 3. copied to the rows that share each prompt: (U, heads, P, d) -> (n, heads, P, d)
+    cache.reorder_cache(inverse)
+    # 4. the completions, attending to their prompt's copy; positions continue after it
+    suffix = trunk(input_ids=tokens.completion_ids, attention_mask=attention,
+                   position_ids=positions[:, p_len:], past_key_values=cache, use_cache=True)
+    # the prompt's last hidden state predicts the first completion token
+    last_prompt = prefix.last_hidden_state[inverse, -1:]                    # (n, 1, H)
+    return torch.cat([last_prompt, suffix.last_hidden_state], dim=1)       # (n, C+1, H)
+
+
+def worth_it(tokens) -> bool:
+    """Whether any two rows share a prompt (with none, the plain forward is the same work, once)."""
+    return bool(tokens.share) and len(tokens.prompt_ids) > 1 and \
+        len(torch.unique(torch.cat([tokens.prompt_ids, tokens.prompt_mask], 1), dim=0)) < len(tokens.prompt_ids)
+
+
+@torch.no_grad()
+def mismatch(model, tokens: int = 12) -> float:
+    """Largest |difference| between log-probs from the shared-prefix forward and the plain
+    one, on random tokens (two prompts of different padding, two completions each, one cut
+    short): ~1e-6 where the model's cache can be shared over rows; inf where the shared
+    forward fails outright (a cache without reorder_cache, a model that rejects it)."""
+    import logprobs                                   # here: logprobs imports this lesson
+    ids = logprobs.probe_ids(model, 2, 2 * tokens)                          # (2, 2T)
+    prompt, completion = ids[:, :tokens].repeat_interleave(2, 0), ids[:, tokens:].repeat_interleave(2, 0)
+    p_mask, c_mask = torch.ones_like(prompt), torch.ones_like(completion)  # (4, T) each
+    p_mask[2:, :3] = 0                                # the second prompt left-padded
+    c_mask[1, tokens // 2:] = 0                       # a completion that ended early
+    plain = logprobs.Tokens(prompt, p_mask, completion, c_mask)
+    try:
+        shared, _ = logprobs.completion_logprobs(model, plain._replace(share=True))
+    except (AttributeError, TypeError, ValueError, RuntimeError, IndexError):
+        return float("inf")
+    expected, _ = logprobs.completion_logprobs(model, plain)
+    return ((shared - expected) * c_mask).abs().max().item()

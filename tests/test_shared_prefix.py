@@ -1,0 +1,163 @@
+"""shared_prefix.py against the plain forward: the same log-probs, entropies, loss and gradient
+of every parameter (to 1e-5 relative), with left-padded prompts of different lengths,
+multi-turn tool episodes, micro-batches, PPO's critic; the same 20-step run; and a model whose
+cache cannot be shared runs the plain forward and says so.
+
+On SmolLM2 itself: tests/test_real_model.py (test_the_shared_prefix_forward_is_exact_on_smollm2).
+"""
+import json
+
+import pytest
+import torch
+
+import grpo
+import logprobs
+import shared_prefix
+import update
+from conftest import quick, synthetic_batch, tiny_model
+
+
+def grouped_batch(model, b=3, k=4, seed=0):
+    """b prompts of different lengths (left-padded) x k samples each, ends at different tokens."""
+    one = synthetic_batch(model, n=b, p_len=6, c_len=7, seed=seed)
+    one.prompt_mask[0, :3] = 0                          # three prompt lengths: 3, 4, 6 tokens
+    one.prompt_ids = one.prompt_ids.masked_fill(one.prompt_mask == 0, 0)
+    batch = synthetic_batch(model, n=b * k, p_len=6, c_len=7, seed=seed + 1)
+    batch.prompt_ids = one.prompt_ids.repeat_interleave(k, 0)              # (b*k, P), grouped
+    batch.prompt_mask = one.prompt_mask.repeat_interleave(k, 0)
+    with torch.no_grad():
+        batch.old_logp, _ = logprobs.completion_logprobs(model, batch.tokens())
+    batch.ref_logp = batch.old_logp - 0.1
+    return batch
+
+
+def loss_and_grads(model, batch, share: bool, micro: int = 0, k: int = 4):
+    """GRPO's update loss, its log-probs and entropies, and every parameter's gradient, with
+    the forward shared or plain (one optimizer step's worth, not taken)."""
+    batch.share_prefix = share
+    model.zero_grad()
+    hp = grpo.HyperParams(k=k, beta=0.05, entropy_coef=0.01, mini_batch=len(batch.texts),
+                          micro_batch=micro or len(batch.texts), max_len=7)
+    scorer = logprobs.Scorer(model)
+    mb = next(update.minibatches(batch, hp, torch.Generator().manual_seed(0)))
+    total, logps, entropies = 0.0, [], []
+    for idx in mb.micro_batches:
+        rows = batch.rows(idx)
+        logp, entropy, values = scorer(rows.tokens, 1.0, True)
+        loss, _ = grpo.loss(logp, entropy, values, rows, mb, hp)
+        loss.backward()
+        total += loss.item()
+        logps.append(logp.detach())
+        entropies.append(entropy.detach())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return total, torch.cat(logps), torch.cat(entropies), grads
+
+
+def assert_same(plain, shared, mask):
+    loss, logp, entropy, grads = plain
+    loss2, logp2, entropy2, grads2 = shared
+    m = mask.bool()
+    assert loss2 == pytest.approx(loss, rel=1e-5)
+    torch.testing.assert_close(logp2[m], logp[m], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy2[m], entropy[m], rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads2.keys()
+    for name in grads:
+        rel = ((grads2[name] - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)).item()
+        assert rel < 1e-5, f"{name}: gradient off by {rel:.2g} relative"
+
+
+@pytest.mark.lesson
+def test_each_prompt_encoded_once_gives_the_plain_forwards_logprobs_loss_and_gradients():
+    """The lesson: K sequences that share a prompt need its keys and values once; copying them
+    to the K rows (and adding the K rows' gradients back) changes no number."""
+    model = tiny_model(3)
+    batch = grouped_batch(model)
+    rows, inverse = shared_prefix.distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+    assert len(rows) == 3 and all(len(set(inverse[g * 4:g * 4 + 4].tolist())) == 1 for g in range(3))
+    assert shared_prefix.worth_it(batch.tokens()._replace(share=True))
+    assert not shared_prefix.worth_it(batch.tokens())                    # share off: plain
+    assert_same(loss_and_grads(model, batch, False), loss_and_grads(model, batch, True), batch.completion_mask)
+
+
+@pytest.mark.lesson
+def test_micro_batches_of_mixed_prompts_share_what_they_can():
+    """The update shuffles rows into micro-batches: a micro-batch holds some rows of some
+    groups (one row of a prompt shares nothing, two share); the sums come out the same."""
+    model = tiny_model(4)
+    batch = grouped_batch(model, seed=5)
+    assert_same(loss_and_grads(model, batch, False, micro=5), loss_and_grads(model, batch, True, micro=5),
+                batch.completion_mask)
+
+
+def test_tool_episodes_with_environment_tokens_inside_the_completion():
+    """A multi-turn episode's completion holds the environment's replies (attention 1, mask 0):
+    shared, the policy's tokens get the plain forward's log-probs and gradients."""
+    model = tiny_model(5)
+    batch = grouped_batch(model, seed=7)
+    batch.completion_attn = torch.ones_like(batch.completion_mask)
+    batch.completion_mask = batch.completion_mask.clone()
+    batch.completion_mask[:, 2:4] = 0                                  # the environment's reply
+    with torch.no_grad():
+        batch.old_logp, _ = logprobs.completion_logprobs(model, batch.tokens())
+    batch.ref_logp = batch.old_logp - 0.1
+    assert_same(loss_and_grads(model, batch, False), loss_and_grads(model, batch, True), batch.completion_mask)
+
+
+def test_ppo_critic_of_its_own_reads_the_same_values_shared():
+    import ppo
+    model = tiny_model(6)
+    batch = grouped_batch(model, seed=9)
+    critic = ppo.Critic(model)
+    plain = critic.values(batch.tokens())
+    batch.share_prefix = True
+    torch.testing.assert_close(critic.values(batch.tokens()), plain, rtol=1e-5, atol=1e-6)
+
+
+def ignore_the_cache(trunk) -> None:
+    """A trunk that ignores past_key_values: its completions never see their prompt, so a
+    shared forward through it would be wrong."""
+    forward = trunk.forward
+    trunk.forward = lambda past_key_values=None, **kw: forward(**kw)
+
+
+def test_a_model_whose_cache_cannot_be_shared_is_found_and_runs_plain(tmp_path, monkeypatch, capsys):
+    model = tiny_model(7)
+    assert shared_prefix.mismatch(model) < 1e-4
+    broken = tiny_model(7)
+    ignore_the_cache(broken.model)
+    assert shared_prefix.mismatch(broken) > 1e-3, "a prefix the completions cannot see is a mismatch"
+    # train.py: the check fails -> one line, and the run is the plain forward's
+    from running import config
+    import train
+    monkeypatch.setattr(shared_prefix, "mismatch", lambda model: float("inf"))
+    argv = quick(tmp_path, "broken", "--seed", "2")
+    argv.remove("--quiet")
+    train.train(config.parse_config(argv))
+    err = capsys.readouterr().err
+    assert err.count("shared prefix: off") == 1 and "cannot be shared over rows" in err
+    train.train(config.parse_config(quick(tmp_path, "plain", "--seed", "2", "--no-shared-prefix")))
+    assert metrics(tmp_path / "broken") == metrics(tmp_path / "plain"), "the plain forward, number for number"
+
+
+def metrics(path):
+    rows = [json.loads(line) for line in open(path / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def test_twenty_grpo_steps_shared_give_the_plain_runs_metrics(tmp_path):
+    """The whole loop: 20 steps with the shared forward write the metrics of 20 steps without
+    it, every number to 1e-4 relative (the same tokens sampled, the same updates)."""
+    from running import config
+    import train
+    flags = ["--steps", "20", "--eval-every", "10"]
+    train.train(config.parse_config(quick(tmp_path, "shared", *flags)))
+    train.train(config.parse_config(quick(tmp_path, "plain", *flags, "--no-shared-prefix")))
+    shared, plain = metrics(tmp_path / "shared"), metrics(tmp_path / "plain")
+    assert len(shared) == len(plain) == 21
+    for a, b in zip(shared, plain):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), f"step {a['step']}: {key}"
+            else:
+                assert a[key] == b[key], f"step {a['step']}: {key}"
