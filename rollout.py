@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+import shared_prefix
 from logprobs import Tokens, completion_logprobs
 
 
@@ -138,13 +139,18 @@ class NonFiniteLogits(RuntimeError):
     as a non-finite one (skipped, and stopped by --max-skips), never a crash."""
 
 
-def generate(model, gen_config: GenerationConfig, **inputs) -> torch.Tensor:
+def generate(model, gen_config: GenerationConfig, share: bool = False, **inputs) -> torch.Tensor:
     """model.generate under gen_config alone. generate fills every option left unset from the
     model's own saved generation_config (Qwen2.5-Instruct's repetition_penalty 1.05, another
-    model's min_p or no_repeat_ngram_size), so that config is swapped out for the call."""
+    model's min_p or no_repeat_ngram_size), so that config is swapped out for the call.
+    share: rows that repeat a prompt have it encoded once before (shared_prefix.prefill);
+    generate then runs only the tokens its cache lacks. The same tokens are sampled."""
     saved = model.generation_config
     model.generation_config = gen_config
     try:
+        cache = shared_prefix.prefill(model, inputs["input_ids"], inputs["attention_mask"]) if share else None
+        if cache is not None:
+            inputs["past_key_values"] = cache
         return model.generate(**inputs, generation_config=gen_config)
     except RuntimeError as e:            # torch.multinomial on NaN/inf probabilities
         if "probability tensor" in str(e):
@@ -172,7 +178,7 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     # the distribution the samples came from. generate stops once every sequence sampled EOS.
     gen = plain_sampling(tok, sampling.temperature, sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
                          cache_implementation="static" if sampling.static_cache else None)
-    out = generate(model, gen, **enc)                                          # (N, P+C)
+    out = generate(model, gen, sampling.shared_prefix and not sampling.static_cache, **enc)   # (N, P+C)
     p_len = enc["input_ids"].shape[1]
     completion_ids = out[:, p_len:]                                 # (N, C)
     mask = completion_mask(completion_ids, tok.eos_token_id)        # (N, C)
@@ -250,7 +256,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
     model.eval()
     while active:
         ctx, attn = left_pad([prompts[i] + ids[i] for i in active], tok.pad_token_id, device)
-        out = generate(model, gen, input_ids=ctx, attention_mask=attn,
+        out = generate(model, gen, sampling.shared_prefix, input_ids=ctx, attention_mask=attn,
                        tokenizer=tok)[:, ctx.shape[1]:]                        # (n_active, T)
         still = []
         for row, i in enumerate(active):

@@ -4,7 +4,8 @@ A GRPO step scores N = B*K sequences, prompt + completion, four or more times: t
 log-probs, the reference's, the update's forward and its backward. The K samples of a prompt
 repeat that prompt K times, and with a real model the prompt is most of the sequence
 (SmolLM2 on the DSL task: about 90 prompt tokens, at most 24 completion tokens), so most of
-the work is the same prompt encoded K times. Prefix Grouper (Liu et al. 2025, "Efficient GRPO
+the work is the same prompt encoded K times (and `generate` encodes it K times more before it
+samples: `prefill` below does that once too). Prefix Grouper (Liu et al. 2025, "Efficient GRPO
 Training through Shared-Prefix Forward"; verl's `use_prefix_grouper`) removes it; this is the
 same idea with a Hugging Face model's own KV cache:
 
@@ -68,6 +69,23 @@ def hidden(trunk, tokens, positions: torch.Tensor, attention: torch.Tensor) -> t
     # the prompt's last hidden state predicts the first completion token
     last_prompt = prefix.last_hidden_state[inverse, -1:]                    # (n, 1, H)
     return torch.cat([last_prompt, suffix.last_hidden_state], dim=1)       # (n, C+1, H)
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, attention: torch.Tensor):
+    """`generate`'s prompt work done once per distinct prompt: a KV cache holding, for every
+    row, its prompt but the last token (generate runs that one itself and samples from its
+    logits), or None when no two rows share a prompt. ids, attention: (n, P) left-padded.
+    Positions as generate counts them (it gives padding position 1; padding is masked)."""
+    rows, inverse = distinct_prompts(ids, attention)                        # (U,), (n,)
+    if len(rows) == len(ids):
+        return None
+    mask = attention[rows, :-1]                                             # (U, P-1)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    cache = model(input_ids=ids[rows, :-1], attention_mask=mask, position_ids=positions,
+                  use_cache=True).past_key_values
+    cache.reorder_cache(inverse)                                            # U rows -> n rows
+    return cache
 
 
 def worth_it(tokens) -> bool:

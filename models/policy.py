@@ -121,17 +121,45 @@ class WarmStart:
     batch: int = 64                  # examples per step
     seed: int = 0                    # the examples' draws and the tiny model's initial weights
     difficulty: int = 1              # demonstrations of 1 .. this many benchmarks (--sft-difficulty)
+    micro_batch: int = 0             # examples per forward/backward (the same gradient, less memory); 0 = all,
+                                     # through model(labels=...)
 
 
 # The defaults, for the tiny model and for a real one. The tiny model starts from random
 # weights and needs many large steps. A real instruct model (SmolLM2-135M) already writes
 # text: 30 steps of 8 examples at lr 1e-4 take it from 100% junk to report 001's mix
-# (measured: README, Lesson 5).
-WARM_START = {"tiny": WarmStart(300, 3e-3, 64), "real": WarmStart(30, 1e-4, 8)}
+# (measured: README, Lesson 5), one example per forward so that its activations fit a
+# laptop (docs/performance.md, Memory).
+WARM_START = {"tiny": WarmStart(300, 3e-3, 64), "real": WarmStart(30, 1e-4, 8, micro_batch=1)}
+
+
+def sft_loss_sum(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed next-token NLL of the labelled tokens of right-padded rows (n, L):
+
+        sum_{i,t: labels[i,t+1] != -100}  -log p(labels[i,t+1] | ids[i, <=t])
+
+    The LM head runs only at the positions that predict a labelled token, in float32 and a few
+    thousand of them at a time (logprobs.head_logits, token_logprobs): `model(labels=...)`
+    computes float32 logits over the whole vocabulary at every position and then a copy for
+    its loss, gigabytes for SmolLM2's 49,152 words on a tool episode."""
+    h = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (n, L, H)
+    target = labels[:, 1:]                                                       # (n, L-1)
+    keep = target != -100
+    h, target = h[:, :-1][keep], target[keep]                                    # (M, H), (M,)
+    step = logprobs.rows_per_chunk(1, model.get_output_embeddings().weight.shape[0])
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, len(target), step):
+        logits = logprobs.head_logits(model, h[None, i:i + step])                # (1, m, V)
+        total = total - logprobs.token_logprobs(logits, target[None, i:i + step]).sum()
+    return total
 
 
 def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
-    """Supervised fine-tuning on fresh draws from the report-shaped mix; returns losses."""
+    """Supervised fine-tuning on fresh draws from the report-shaped mix; returns losses (the
+    token mean of each step's NLL, as `model(labels=...).loss`). With warm.micro_batch (a
+    real model), each step's examples go through the model that many at a time, each part's
+    summed NLL over the whole step's labelled tokens (sft_loss_sum), so the gradients add up
+    to the whole batch's."""
     rng = random.Random(warm.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=warm.lr)
     device = next(model.parameters()).device
@@ -139,11 +167,21 @@ def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
     model.train()
     for _ in range(warm.steps):
         ids, mask, lab = (t.to(device) for t in sft_batch(task, tok, warm, rng))
-        loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad()
-        loss.backward()
+        if warm.micro_batch:
+            tokens = (lab[:, 1:] != -100).sum().clamp_min(1)
+            loss = 0.0
+            for i in range(0, len(ids), warm.micro_batch):
+                part = sft_loss_sum(model, ids[i:i + warm.micro_batch], mask[i:i + warm.micro_batch],
+                                    lab[i:i + warm.micro_batch]) / tokens
+                part.backward()
+                loss += part.item()
+        else:      # the tiny model: its logits are small; transformers' loss, as its lessons were recorded
+            loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
+            loss.backward()
+            loss = loss.item()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss)
     return losses
 
 

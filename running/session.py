@@ -172,7 +172,7 @@ def load(cfg: Config, task, device: str, log, init: dict | None = None):
     another run's weights (init: the pinned checkpoint, init_from_checkpoint)."""
     default = policy.WARM_START["real" if cfg.model else "tiny"]
     warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
-                            default.batch, cfg.sft_seed, cfg.sft_difficulty)
+                            default.batch, cfg.sft_seed, cfg.sft_difficulty, default.micro_batch)
     if cfg.model:
         folder = pretrained.resolve(cfg.model, Path(cfg.model_cache or pretrained.default_cache()), log)
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16

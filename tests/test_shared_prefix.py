@@ -161,3 +161,26 @@ def test_twenty_grpo_steps_shared_give_the_plain_runs_metrics(tmp_path):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), f"step {a['step']}: {key}"
             else:
                 assert a[key] == b[key], f"step {a['step']}: {key}"
+
+
+@pytest.mark.lesson
+def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens():
+    """generate's prompt work, once per distinct prompt (shared_prefix.prefill): with the same
+    seed, the same completions as K separate prefills, left padding included."""
+    import rollout
+    import tasks
+    from models import policy
+    model = tiny_model(8)
+    tok = policy.build_tokenizer([f"w{i}" for i in range(17)])
+    prompts = [{"text": "w1 w2 w3"}, {"text": "w4 w5 w6 w7 w8"}, {"text": "w9"}]
+    out = {}
+    for share in (False, True):
+        torch.manual_seed(0)
+        batch = rollout.sample(rollout.Models(model, tok), [p["text"] for p in prompts], 4,
+                               tasks.Sampling(max_new_tokens=8, shared_prefix=share))
+        out[share] = batch
+    assert torch.equal(out[True].completion_ids, out[False].completion_ids)
+    torch.testing.assert_close(out[True].old_logp, out[False].old_logp, rtol=1e-5, atol=1e-6)
+    cache = shared_prefix.prefill(model, out[True].prompt_ids, out[True].prompt_mask)
+    assert cache.get_seq_length() == out[True].prompt_ids.shape[1] - 1 and cache.layers[0].keys.shape[0] == 12
+    assert shared_prefix.prefill(model, out[True].prompt_ids[::4], out[True].prompt_mask[::4]) is None

@@ -1,0 +1,42 @@
+"""The warm start's loss without the vocabulary-wide logits (models/policy.py, sft_loss_sum):
+the same loss and gradient as `model(labels=...)`, in micro-batches or not."""
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from conftest import tiny_model
+from models import policy
+from tasks import tool_task
+
+
+def test_the_lean_loss_equals_transformers_own_and_micro_batches_add_up():
+    model = tiny_model(2)
+    ids = torch.randint(2, 20, (4, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 6:], mask[3, 4:] = 0, 0                                  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100                                             # the prompt: not trained
+    labels[2, 5:7] = -100                                            # an environment's reply
+    reference = model(input_ids=ids, attention_mask=mask, labels=labels).loss   # HF: token mean
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    tokens = (labels[:, 1:] != -100).sum()
+    total = 0.0
+    for i in (0, 2):                                                 # two micro-batches of 2
+        part = policy.sft_loss_sum(model, ids[i:i + 2], mask[i:i + 2], labels[i:i + 2]) / tokens
+        part.backward()
+        total += part.item()
+    assert abs(total - reference.item()) < 1e-5 * reference.item()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-7)
+
+
+def test_a_warm_start_in_micro_batches_takes_the_whole_batchs_steps():
+    tok = policy.build_tokenizer(tool_task.vocabulary())
+    losses = {}
+    for micro in (0, 3):                      # transformers' loss on all 8, ours on 3 + 3 + 2
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, tool_task.MAX_POSITIONS))
+        losses[micro] = policy.warm_start(tool_task, model, tok, policy.WarmStart(4, 3e-3, 8, micro_batch=micro))
+    assert losses[0] == pytest.approx(losses[3], rel=1e-5)
