@@ -55,10 +55,23 @@ def minibatches(batch, hp, gen: torch.Generator):
     for start in range(0, n, hp.mini_batch):
         mb = order[start:start + hp.mini_batch]
         if lengths is not None:
-            mb = mb[torch.argsort(lengths[mb], descending=True, stable=True)]
+            mb = mb[torch.argsort(length_key(mb, lengths, hp.k if batch.share_prefix else 0),
+                                  descending=True, stable=True)]
         seqs, tokens = all_sum(torch.tensor([len(mb), int(batch.completion_mask[mb].sum())])).tolist()
         yield MiniBatch([mb[i:i + hp.micro_batch] for i in range(0, len(mb), hp.micro_batch)],
                         seqs / world_size(), max(tokens, 1) / world_size())
+
+
+def length_key(mb: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """What hp.fast sorts a mini-batch's rows by: their length; with k (the rows share their
+    group's prompt: shared_prefix.py), their group's longest, so a group's rows stay side by
+    side in one micro-batch and its prompt is encoded once there."""
+    if not k:
+        return lengths[mb]
+    groups = mb // k                                                             # (n,)
+    longest = torch.zeros(int(groups.max()) + 1, dtype=lengths.dtype).scatter_reduce_(
+        0, groups, lengths[mb], "amax", include_self=False)
+    return longest[groups] * 2 * len(lengths) - groups          # longer groups first, then by group
 
 
 def optimizer_step(optimizer, max_grad_norm: float, loss: float) -> tuple[float, list]:

@@ -51,7 +51,7 @@ CONFIGS = {   # model shape and the work per step
 BETA, LR = 0.04, 1e-6
 # --model: a real model's work per step, sized for a CPU: B=4 DSL prompts (through the chat
 # template, ~90 tokens) x K=4 samples of up to 24 new tokens, as `train.py --model` runs.
-REAL = dict(b=4, k=4, new=24)
+REAL = dict(b=4, k=4, new=24, tool_turn=64)      # tool_turn: --task tools, new tokens per turn
 
 
 def build(cfg: dict, model_name: str = ""):
@@ -88,7 +88,22 @@ def even_share(ids_rows: list) -> list:
 
 # ---- ours: the trainer's own functions, timed piece by piece ----
 
-def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_name: str = "") -> dict:
+def phase_peak_reset(device: str) -> None:
+    """Start a phase's memory peak afresh: the process's RSS high-water mark (a CPU) or torch's
+    allocator peak (a GPU)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:                   # VmHWM back to VmRSS
+            f.write("5")
+
+
+def phase_peak_mb(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2 ** 20 if device == "cuda" else rss_mb("VmHWM")
+
+
+def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_name: str = "",
+             shared: bool = True, task_name: str = "dsl") -> dict:
     import grpo
     import logprobs
     import rollout
@@ -99,63 +114,90 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     amp = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    spent = {}
+    spent, peaks, growth = {}, {}, {}
 
-    def timed(name, fn):
+    def timed(name, fn, memory=True):     # seconds (and peak memory) of each call of fn, by name
         def wrapper(*a, **kw):
+            if memory:
+                phase_peak_reset(device)
+                before = rss_mb("VmRSS") if device == "cpu" else torch.cuda.memory_allocated() / 2 ** 20
             t0 = time.perf_counter()
             out = fn(*a, **kw)
             if device == "cuda":
                 torch.cuda.synchronize()
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+            if memory:         # the high-water mark, and how far above the phase's start it rose
+                peaks[name] = max(peaks.get(name, 0.0), phase_peak_mb(device))
+                growth[name] = max(growth.get(name, 0.0), phase_peak_mb(device) - before)
             return out
         return wrapper
-    model.generate = timed("generate", model.generate)
+    rollout.generate = timed("generate", rollout.generate)         # generate's prefill included
     score = rollout.completion_logprobs
 
     def which_logprobs(m, *a, **kw):          # the reference's forward, or the policy's old log-probs
         name = "reference" if m is ref else "old_logprobs"
         return timed(name, score)(m, *a, **kw)
     rollout.completion_logprobs = which_logprobs
-    opt.step = timed("optimizer", opt.step)
+    opt.step = timed("optimizer", opt.step, memory=False)
     n, times, split, tokens = cfg["b"] * cfg["k"], [], [], []
-    sampling = tasks.Sampling(max_new_tokens=cfg["new"])
+    task = real_task(task_name) if model_name else None
+    sampling = tasks.Sampling(max_new_tokens=cfg["new"] if task_name == "dsl" else cfg["tool_turn"],
+                              shared_prefix=shared)
     hp = grpo.HyperParams(mini_batch=n, micro_batch=n, norm="group", k=cfg["k"], beta=BETA,
                           max_len=cfg["new"], max_grad_norm=1.0, fast=fast)
     for step in range(steps):
         spent.clear()
         t0 = time.perf_counter()
         with amp():
-            batch = rollout.sample(rollout.Models(model, tok, ref), prompts(cfg, cfg["b"], step, tok), cfg["k"],
-                                   sampling, record_old_logp=not fast)
+            models = rollout.Models(model, tok, ref)
+            if task is not None and task_name == "tools":     # episodes, the task's own reward
+                batch, _ = task.sample(models, real_prompts(task, cfg["b"], step), cfg["k"], sampling,
+                                       record_old_logp=not fast)
+            else:
+                batch = rollout.sample(models, prompts(cfg, cfg["b"], step, tok), cfg["k"], sampling,
+                                       record_old_logp=not fast)
         t1 = time.perf_counter()
-        ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask)]
-        batch.rewards = torch.tensor(even_share(ids))
+        if task_name == "dsl":
+            ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask)]
+            batch.rewards = torch.tensor(even_share(ids))
         grpo.prepare(batch, hp)                                              # advantages (N,)
         spent["reward"] = time.perf_counter() - t1
         t2 = time.perf_counter()
         with amp():
-            update.update(logprobs.Scorer(model), opt, batch, dataclasses.replace(hp, seed=step), grpo.loss)
-        if device == "cuda":
-            torch.cuda.synchronize()
+            timed("update", update.update)(logprobs.Scorer(model), opt, batch, dataclasses.replace(hp, seed=step),
+                                           grpo.loss)
         total = time.perf_counter() - t0
         spent["policy_fwd_bwd"] = time.perf_counter() - t2 - spent.get("optimizer", 0.0)
+        del spent["update"]
         spent["other"] = total - sum(spent.values())
         times.append(total)
         split.append(dict(spent))
         tokens.append(int(batch.completion_mask.sum()))
-    return dict(times=times, split=split, tokens=tokens, peak_mb=report.peak_memory_mb())
+    # the phases reset the high-water mark: the whole run's peak is the largest phase's
+    return dict(times=times, split=split, tokens=tokens, peak_mb=max([report.peak_memory_mb(), *peaks.values()]),
+                phase_peak_mb=peaks, phase_growth_mb=growth)
+
+
+def real_task(name: str):
+    from tasks import tool_task, workflow_task
+    return {"dsl": workflow_task, "tools": tool_task}[name]
+
+
+def real_prompts(task, n: int, seed: int) -> list:
+    return random.Random(seed).sample(task.prompts("train"), n)
 
 
 # ---- TRL's GRPOTrainer on the same model, prompts and sizes ----
 
-def run_trl(cfg: dict, steps: int, bf16: bool, device: str) -> dict:
+def run_trl(cfg: dict, steps: int, bf16: bool, device: str, model_name: str = "") -> dict:
+    """TRL's GRPOTrainer on the same model, prompts (a real model's: already in its chat
+    template, so TRL tokenizes the same text), sizes and reward."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    model, tok = build(cfg)
+    model, tok = build(cfg, model_name)
     n = cfg["b"] * cfg["k"]
-    data = Dataset.from_dict({"prompt": [p for s in range(steps) for p in prompts(cfg, cfg["b"], s)]})
+    data = Dataset.from_dict({"prompt": [p for s in range(steps) for p in prompts(cfg, cfg["b"], s, tok)]})
     times = []
 
     class Clock(TrainerCallback):
@@ -237,8 +279,9 @@ def worker(args) -> dict:
     cfg = REAL if args.model else CONFIGS[args.config]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker == "trl":
-        return run_trl(cfg, args.steps, args.bf16, device)
-    return run_ours(cfg, args.steps, args.bf16, not args.plain, device, args.model)
+        return run_trl(cfg, args.steps, args.bf16, device, args.model)
+    return run_ours(cfg, args.steps, args.bf16, not args.plain, device, args.model, not args.no_shared_prefix,
+                    args.task)
 
 
 def bf16_report(args) -> None:
@@ -259,7 +302,8 @@ def bf16_report(args) -> None:
 
 def launch(args, who: str) -> dict:
     cmd = [sys.executable, "-m", "lab.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
-           "--threads", str(args.threads), "--model", args.model] + ["--bf16"] * args.bf16 + ["--plain"] * args.plain
+           "--threads", str(args.threads), "--model", args.model, "--task", args.task] + ["--bf16"] * args.bf16 + \
+        ["--plain"] * args.plain + ["--no-shared-prefix"] * args.no_shared_prefix
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         sys.exit(f"python -m lab.bench: the {who} run failed:\n{out.stderr[-3000:]}")
@@ -267,7 +311,8 @@ def launch(args, who: str) -> dict:
 
 
 def summarise(run: dict, warmup: int) -> dict:
-    s = dict(s_per_step=statistics.median(run["times"][warmup:]), peak_mb=run["peak_mb"])
+    s = dict(s_per_step=statistics.median(run["times"][warmup:]), peak_mb=run["peak_mb"],
+             phase_peak_mb=run.get("phase_peak_mb", {}), phase_growth_mb=run.get("phase_growth_mb", {}))
     if "split" in run:
         keys = run["split"][0].keys()
         s["split"] = {k: statistics.median(x.get(k, 0.0) for x in run["split"][warmup:]) for k in keys}
@@ -288,6 +333,11 @@ def main(argv=None):
     p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer (pip install trl)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (ours) / bf16=True (TRL)")
     p.add_argument("--plain", action="store_true", help="ours without --fast")
+    p.add_argument("--no-shared-prefix", action="store_true",
+                   help="ours with every sequence encoding its own prompt (shared_prefix.py off)")
+    p.add_argument("--task", default="dsl", choices=("dsl", "tools"),
+                   help="--model: the DSL task's prompts (even-token reward, as TRL's run) or the tool task's "
+                        "episodes (its own reward; not with --vs-trl)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run; 0 = torch's default")
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--worker", choices=("ours", "trl", "logprobs"), help=argparse.SUPPRESS)
@@ -312,8 +362,10 @@ def main(argv=None):
         return logprobs_report(args)
     if args.what == "bf16":
         return bf16_report(args)
-    if args.model and args.vs_trl:
-        p.error("--vs-trl compares on the --config shapes, not with --model")
+    if args.task == "tools" and not args.model:
+        p.error("--task tools needs --model (the --config shapes have no tool task)")
+    if args.task == "tools" and args.vs_trl:
+        p.error("--vs-trl compares on the DSL task's prompts (TRL has no tool environment here); drop --task tools")
     if args.model:
         problem = checks.validate_model(args.model)
         if problem:
@@ -330,20 +382,25 @@ def main(argv=None):
         if args.vs_trl:
             theirs.append(summarise(launch(args, "trl"), args.warmup))
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"{args.model or args.config}: B={cfg['b']} x K={cfg['k']}, {cfg['new']} new tokens, beta {BETA}, one update per "
+    print(f"{args.model or args.config}{' ' + args.task if args.model else ''}: B={cfg['b']} x K={cfg['k']}, "
+          f"{cfg['new'] if args.task == 'dsl' else str(cfg['tool_turn']) + ' per turn'} new tokens, beta {BETA}, one update per "
           f"step, {'bf16' if args.bf16 else 'fp32'}, {device}; medians of steps {args.warmup + 1}..{args.steps}")
     for i, o in enumerate(ours):
         split = "  ".join(f"{k} {v:.3f}" for k, v in o["split"].items())
-        line = f"  ours{' (plain)' if args.plain else ''}: {o['s_per_step']:.3f} s/step  [{split}]  " \
-               f"{o['tokens_per_s']:.0f} generated tokens/s  peak {o['peak_mb']:.0f} MB"
+        line = f"  ours{' (plain)' if args.plain else ''}{' (no shared prefix)' if args.no_shared_prefix else ''}: {o['s_per_step']:.3f} s/step  [{split}]  " \
+               f"{o['tokens_per_s']:.0f} generated tokens/s  peak {o['peak_mb']:.0f} MB  [peak RSS by phase: " + \
+               "  ".join(f"{k} {v:.0f} (+{o['phase_growth_mb'].get(k, 0):.0f})" for k, v in o["phase_peak_mb"].items()) + \
+               " MB; (+: above the phase's start)]"
         if theirs:
             t = theirs[i]
             line += f"\n  TRL:  {t['s_per_step']:.3f} s/step  peak {t['peak_mb']:.0f} MB  " \
                     f"-> ratio ours/TRL {o['s_per_step'] / t['s_per_step']:.2f}"
         print(line)
     result = dict(config=dict(name=args.model or args.config, **cfg, beta=BETA, bf16=args.bf16, fast=not args.plain,
+                              task=args.task if args.model else None, shared_prefix=not args.no_shared_prefix,
                               steps=args.steps, warmup=args.warmup, device=device),
                   ours_s_per_step=statistics.median(o["s_per_step"] for o in ours),
+                  ours_phase_peak_mb=ours[0]["phase_peak_mb"], ours_phase_growth_mb=ours[0]["phase_growth_mb"],
                   ours_peak_mb=max(o["peak_mb"] for o in ours), ours_split=ours[0]["split"],
                   ours_tokens_per_s=statistics.median(o["tokens_per_s"] for o in ours))
     if theirs:

@@ -4,7 +4,9 @@
     python -m lab group_norm tools       # some of them
     python -m lab --quick                # all thirteen, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
-    python -m lab --model smollm2-135m --jobs 4 group_norm   # on a real model, into results/smollm2-135m
+    python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
+                                         # into results/smollm2-135m; stop it and run it again to continue
+    python -m lab --model smollm2-135m --jobs 4 group_norm   # a toy experiment, scaled for a real model
 
 Each experiment writes results/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures)
 and returns the report's claim, what we measured, and a verdict computed from the numbers by
@@ -26,6 +28,7 @@ from lab.report000 import critic, curriculum, tools
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
 from lab.report003 import kl_range, rce_grpo
+from lab import real
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip,
@@ -74,16 +77,20 @@ def main(argv=None):
         if problem:
             p.error(f"--model: {problem}")
     if args.list:
-        for name, fn in EXPERIMENTS.items():
+        for name, fn in {**EXPERIMENTS, **real.EXPERIMENTS}.items():
             print(f"{name:18s} {fn.__doc__.strip().splitlines()[0]}")
         return
-    unknown = [n for n in args.names if n not in EXPERIMENTS]
+    unknown = [n for n in args.names if n not in EXPERIMENTS and n not in real.EXPERIMENTS]
     if unknown:
-        p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join(EXPERIMENTS)}")
+        p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *real.EXPERIMENTS])}")
     out = args.out or Path("runs/lab-quick" if args.quick else
                            f"results/{args.model.replace('/', '_')}" if args.model else "results")
     if not checks.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
+    if args.model and not args.quick and all(n in real.EXPERIMENTS for n in args.names):
+        return real_lab(args, out)
+    if any(n in real.EXPERIMENTS for n in args.names):
+        p.error("the real_* experiments need --model (and no --quick)")
     names = args.names or list(EXPERIMENTS)
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
     lab = Lab(out, args.quick, args.model, args.jobs)
@@ -99,7 +106,26 @@ def main(argv=None):
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 
 
-def record(out: Path, name: str, entry: dict) -> None:
+def real_lab(args, out: Path) -> None:
+    """lab/real.py's experiments on args.model: the runs left and their estimated time first;
+    each finished run kept, so a second call continues where the first stopped."""
+    lab = real.RealLab(out, args.model)
+    names = args.names or list(real.EXPERIMENTS)
+    left, seconds = real.estimate(lab, names)
+    print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
+          f"{seconds / 3600:.1f} h on this machine (estimated from COST in lab/real.py)", flush=True)
+    t_all = time.time()
+    for name in names:
+        t0 = time.time()
+        print(f"{name} ...", flush=True)
+        entry = dict(real.EXPERIMENTS[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
+                     seeds=lab.seeds, quick=False)
+        print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
+        record(out, name, entry, order=list(real.EXPERIMENTS))
+    print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
+
+
+def record(out: Path, name: str, entry: dict, order=None) -> None:
     """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md. Entries of
     experiments not run now stay as they were (a partial or interrupted lab updates only its
     own). Under a lock, re-reading the file first: two labs writing into one folder at once
@@ -109,7 +135,7 @@ def record(out: Path, name: str, entry: dict) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = read_summary(out)
         results[name] = entry
-        results = {n: results[n] for n in EXPERIMENTS if n in results}
+        results = {n: results[n] for n in (order or EXPERIMENTS) if n in results}
         for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results))):
             tmp = out / f".{file}.tmp-{os.getpid()}"
             tmp.write_text(text)

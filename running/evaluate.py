@@ -14,6 +14,7 @@ breaks the rates down the way report 003 broke its accuracy down by shots (by pr
 for the DSL task), for `python -m lab.compare checkpoints RUN ...`.
 """
 import statistics
+from collections import Counter
 
 import torch
 
@@ -22,11 +23,14 @@ from models import policy
 import ppo
 
 EVAL_SEED = 1234
+NLL_ROWS = 8          # answers per forward of answer_nll
 
 
 def evaluate(models, task, prompts: list, sampling, samples: int, gamma: float) -> tuple[dict, list]:
-    """({eval_<rate>: value, eval_reward_mean, [eval_value_rmse]}, one samples.jsonl record per
-    rollout). models: rollout.Models; task: tasks.Task; sampling: tasks.Sampling.
+    """({eval_<rate>: value, eval_reward_mean, eval_one_answer, [eval_value_rmse]}, one
+    samples.jsonl record per rollout). models: rollout.Models; task: tasks.Task; sampling:
+    tasks.Sampling. eval_one_answer: the share of the held-out samples that are the commonest
+    one (1.0: one answer for every prompt, Lesson 5's collapse).
 
     eval_value_rmse (with a value head): the RMSE, over held-out policy tokens, of V(s_t)
     against the return the critic is meant to predict (the outcome reward discounted by
@@ -34,6 +38,8 @@ def evaluate(models, task, prompts: list, sampling, samples: int, gamma: float) 
     batch, outcomes = sample_seeded(models, task, prompts, sampling, samples, EVAL_SEED)
     out = {f"eval_{key}": v for key, v in task.rates(outcomes).items()}
     out["eval_reward_mean"] = batch.rewards.mean().item()
+    # one answer for every prompt: the share of held-out samples that are the commonest text
+    out["eval_one_answer"] = max(Counter(batch.texts).values()) / len(batch.texts)
     if models.value_head is not None:
         m = batch.completion_mask                                                   # (N, C)
         # lam = 1: A_t + V_t is the Monte-Carlo return, whatever V is.
@@ -56,9 +62,13 @@ def answer_nll(models, task, prompts: list) -> float:
     """Per-token NLL of the task's right answer to each prompt, teacher-forced at temperature
     1: - sum over answer tokens of log p(token) / their number (the prompt and any tool
     output are not counted: policy.sft_rows's labels)."""
-    model = models.model
-    ids, mask, labels = (t.to(model.device) for t in policy.sft_rows(task, models.tok, [task.answer(p) for p in prompts]))
-    return model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    model, total, tokens = models.model, 0.0, 0
+    for i in range(0, len(prompts), NLL_ROWS):          # a few rows at a time: a real model's memory
+        rows = policy.sft_rows(task, models.tok, [task.answer(p) for p in prompts[i:i + NLL_ROWS]])
+        ids, mask, labels = (t.to(model.device) for t in rows)
+        total += policy.sft_loss_sum(model, ids, mask, labels).item()
+        tokens += int((labels[:, 1:] != -100).sum())
+    return total / max(tokens, 1)
 
 
 def by_group(models, task, prompts: list, sampling, samples: int, seed: int) -> dict:

@@ -56,6 +56,8 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               training temperature for each of --eval-samples x 32 held-out
                               prompts, drawn with a fixed seed so every evaluation sees the
                               same noise
+    eval_one_answer           the share of the held-out samples that are the commonest text:
+                              1.0 when the policy writes one answer for every prompt
     eval_value_rmse           PPO: RMSE of V(s_t) against the held-out returns
     eval_answer_nll, train_answer_nll   at each evaluation: per-token NLL of a right answer
                               (teacher-forced) on the held-out prompts and on 32 training

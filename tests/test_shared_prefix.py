@@ -184,3 +184,15 @@ def test_generate_with_each_prompt_prefilled_once_samples_the_same_tokens():
     cache = shared_prefix.prefill(model, out[True].prompt_ids, out[True].prompt_mask)
     assert cache.get_seq_length() == out[True].prompt_ids.shape[1] - 1 and cache.layers[0].keys.shape[0] == 12
     assert shared_prefix.prefill(model, out[True].prompt_ids[::4], out[True].prompt_mask[::4]) is None
+
+
+def test_the_fast_paths_length_sort_keeps_a_groups_rows_together_when_they_share():
+    """--fast sorts a mini-batch by length before cutting micro-batches; with the shared
+    prefix on, a group's rows stay side by side (sorted by the group's longest), so each
+    micro-batch still encodes a prompt once."""
+    mb = torch.tensor([5, 0, 3, 7, 2, 6, 1, 4])
+    lengths = torch.tensor([3, 9, 2, 4, 5, 5, 1, 8])                       # groups of 4: rows 0-3, 4-7
+    order = mb[torch.argsort(update.length_key(mb, lengths, 4), descending=True, stable=True)]
+    assert order.tolist() == [0, 3, 2, 1, 5, 7, 6, 4], "group 0 (longest 9) first, then group 1"
+    plain = mb[torch.argsort(update.length_key(mb, lengths, 0), descending=True, stable=True)]
+    assert plain.tolist() == [1, 7, 5, 4, 3, 0, 2, 6], "without sharing: by length alone"

@@ -1,0 +1,328 @@
+"""The reports' central claims on a real model (SmolLM2-135M-Instruct), 3 seeds per setting.
+
+    python -m lab --model smollm2-135m                  # all four, into results/smollm2-135m/
+    python -m lab --model smollm2-135m real_group_size  # one of them
+
+The toy lab (the other experiments) runs every comparison on a 130k-parameter model; this one
+runs the central ones on a pretrained LLM, sized for a 2-core CPU: fewer steps, 8 held-out
+prompts x 2 samples per evaluation, --fast, lr 2e-5 (train.py's default for a real model).
+
+Every (experiment, setting, seed) run is kept when it finishes (its folder under
+results/smollm2-135m/NAME/runs/, committed) and skipped when the lab runs again with the same
+flags: the lab can be stopped at any moment (Ctrl-C, kill -9, the end of a session) and loses
+at most the run in progress, which starts again from its beginning. Before it starts, the lab
+prints how many runs are left and its estimate of their time (`estimate`).
+
+Each verdict's rule is written next to it, before the first run, and not changed after.
+"""
+import json
+import shlex
+import statistics
+import time
+from pathlib import Path
+
+from lab import compare
+from lab.common import mean
+from running import config, plots
+
+SEEDS = 3
+COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
+COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
+
+# (experiment, label) -> train.py flags ({stage1}: that seed's stage-1 run). Micro-batches of
+# one group (K sequences; two episodes on the tool task) keep the peak memory of a step under
+# 4 GB (docs/performance.md) and each prompt encoded once (shared_prefix.py).
+SETTINGS = {
+    "real_group_size": {
+        "K=2, B=3": "--k 2 --batch 3 --norm group --steps 30",
+        "K=8, B=3": "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8",
+        "K=8, B=3, entropy bonus 0.01": "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8 --entropy-coef 0.01",
+    },
+    "real_tools": {
+        "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
+        "shaped": "--task tools --reward shaped --k 4 --batch 2 --steps 12 --micro-batch 2",
+    },
+    "real_rce_grpo": {
+        "GRPO-only": "--reward composite --k 4 --batch 3 --steps 30 --micro-batch 4",
+        "RCE-only": "--reward composite --algo rce --k 4 --batch 3 --steps 30 --micro-batch 4",
+        "RCE (stage 1)": "--reward composite --algo rce --k 4 --batch 3 --steps 15 --save-every 15 --micro-batch 4",
+        "RCE -> GRPO": "--reward composite --k 4 --batch 3 --steps 15 --init-from {stage1} --micro-batch 4",
+    },
+}
+# seconds per sequence-step and per evaluation, from `python -m lab.bench --model smollm2-135m`
+# (docs/performance.md); only for the estimate printed before the lab starts
+COST = {"dsl": (0.8, 12.0), "tools": (5.5, 60.0)}
+WARM_START_SECONDS = {"dsl": 240, "tools": 450}
+
+
+class RealLab:
+    """Where the runs go (root/NAME/runs/LABEL/sSEED) and the model they run on."""
+
+    def __init__(self, root: Path, model: str, seeds: int = SEEDS):
+        self.root, self.model, self.seeds = Path(root), model, seeds
+
+    def out(self, name: str, label: str, seed: int) -> Path:
+        return self.root / name / "runs" / compare.slug(label) / f"s{seed}"
+
+    def argv(self, name: str, label: str, seed: int) -> list:
+        chosen = SETTINGS[name][label].replace("{stage1}", str(self.out(name, "RCE (stage 1)", seed)))
+        return shlex.split(f"{COMMON} {chosen}" + (f" --model {self.model}" if self.model else "")) + \
+            ["--seed", str(seed), "--out", str(self.out(name, label, seed)), "--quiet"]
+
+    def run(self, name: str, label: str, seed: int, log=print) -> dict:
+        """The run's summary: kept from an earlier lab when it finished with these flags, else
+        run now (from its beginning: --overwrite replaces what an interrupted one left)."""
+        argv = self.argv(name, label, seed)
+        kept = finished(argv)
+        if kept is not None:
+            return kept
+        t0 = time.time()
+        summary = compare.run_one(argv + ["--overwrite"], compare.Launch())
+        log(f"  {name}: {label}, seed {seed}: done in {time.time() - t0:.0f} s")
+        return summary
+
+    def runs(self, name: str, label: str, log=print) -> list:
+        return [self.run(name, label, seed, log) for seed in range(self.seeds)]
+
+
+def finished(argv: list) -> dict | None:
+    """The summary of the run argv asks for, if one finished in its folder with the same
+    configuration (every flag but --quiet/--overwrite) and was not interrupted; else None."""
+    out = Path(argv[argv.index("--out") + 1])
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    wanted = flags(argv)
+    same = all(saved.get(k) == v for k, v in wanted.items() if k not in ("quiet", "overwrite"))
+    return summary if same and not summary.get("interrupted") else None      # a stopped run is a result
+
+
+def flags(argv: list) -> dict:
+    """The configuration argv asks for, as config.json holds it. Parsed without --init-from,
+    whose check needs the first stage's checkpoint on disk (not there before stage 1 runs, nor
+    in a later session: checkpoints are not committed); its path is compared as written."""
+    argv = argv + ["--overwrite"]                       # (the run's folder holds a run: that is the point)
+    if "--init-from" not in argv:
+        return vars(config.parse_config(argv))
+    i = argv.index("--init-from")
+    return dict(vars(config.parse_config(argv[:i] + argv[i + 2:])), init_from=argv[i + 1])
+
+
+def needs_stage1_again(lab: RealLab, seed: int) -> bool:
+    """RCE -> GRPO starts from stage 1's checkpoint, which is not committed (542 MB): when a
+    later session finds stage 1 kept but its checkpoint gone and stage 2 not done, stage 1 runs again."""
+    stage1 = lab.out("real_rce_grpo", "RCE (stage 1)", seed)
+    return finished(lab.argv("real_rce_grpo", "RCE -> GRPO", seed)) is None and \
+        not any((stage1 / "checkpoints").glob("step-*"))
+
+
+def estimate(lab: RealLab, names: list) -> tuple[int, float]:
+    """(runs left, their estimated seconds): steps x sequences x COST + evaluations, and a warm
+    start per task not cached yet (counted once)."""
+    left, seconds, tasks_seen = 0, 0.0, set()
+    for name in names:
+        for label in SETTINGS.get(name, {}):
+            for seed in range(lab.seeds):
+                if finished(lab.argv(name, label, seed)) is not None and not (
+                        label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
+                    continue
+                c = flags(lab.argv(name, label, seed))
+                per_seq, per_eval = COST[c["task"]]
+                left += 1
+                seconds += c["steps"] * c["k"] * c["batch"] * per_seq + (c["steps"] // c["eval_every"] + 1) * per_eval
+                tasks_seen.add(c["task"])
+    return left, seconds + sum(WARM_START_SECONDS[t] for t in tasks_seen)
+
+
+# ---- what a run shows ----
+
+def collapse_step(run: dict) -> int | None:
+    """The first evaluation at which the held-out samples are one answer (eval_one_answer >=
+    COLLAPSED), or None."""
+    for row in plots.read_metrics(Path(run["out"])):
+        if row.get("eval_one_answer") is not None and row["eval_one_answer"] >= COLLAPSED and row["step"] > 0:
+            return row["step"]
+    return None
+
+
+def at_start(run: dict, key: str) -> float | None:
+    """A held-out metric at step 0: the warm start's, before any update (the frozen policy)."""
+    rows = plots.read_metrics(Path(run["out"]))
+    return rows[0].get(key) if rows and rows[0]["step"] == 0 else None
+
+
+def spread(runs: list, key: str) -> str:
+    return compare.spread([r.get(key) for r in runs])
+
+
+def write_table(lab: RealLab, name: str, runs: dict, columns: list) -> None:
+    head = ["setting", *[h for h, _ in columns], "runs ending on one answer", "s per run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, rs in runs.items():
+        ends = sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs)
+        lines.append("| " + " | ".join([label, *[spread(rs, k) for _, k in columns], f"{ends}/{len(rs)}",
+                                        f"{mean(r['seconds'] for r in rs):.0f}"]) + " |")
+    (lab.root / name / "table.md").write_text("\n".join(lines) + "\n")
+    first = json.loads((Path(next(iter(runs.values()))[0]["out"]) / "config.json").read_text())
+    metrics = ("eval_best_rate", "eval_one_answer", "entropy") if first["task"] == "dsl" else \
+        ("eval_accuracy", "eval_tool_calls", "frac_adv_negative")
+    compare.figure(runs, lab.root / name / "compare.png",
+                   f"{name}: {lab.seeds} seeds; {plots.made_by(first)}", metrics)
+
+
+# ---- report 001: K=2 against K=8, and the collapse onto one workflow ----
+
+def real_group_size(lab: RealLab, log=print) -> dict:
+    """K=2/B=3 vs K=8/B=3 (group norm), and K=8 with an entropy bonus, on SmolLM2 (report 001)."""
+    runs = {label: lab.runs("real_group_size", label, log) for label in SETTINGS["real_group_size"]}
+    write_table(lab, "real_group_size", runs, [
+        ("held-out best (end)", "eval_best_rate_end"), ("held-out best (best eval)", "eval_best_rate_best"),
+        ("held-out valid (end)", "eval_valid_rate_end"), ("fallback (end)", "eval_fallback_rate_end"),
+        ("one answer (end)", "eval_one_answer_end"), ("crash rate", "crash_rate"), ("crash floor", "crash_floor")])
+    k2, k8, bonus = runs.values()
+    best = {label: [r["eval_best_rate_end"] for r in rs] for label, rs in runs.items()}
+    sd = {label: statistics.pstdev(v) for label, v in best.items()}
+    crash = mean(r["crash_rate"] - r["crash_floor"] for r in k2)
+    ones = {label: [collapse_step(r) for r in rs] for label, rs in runs.items()}
+    start = mean(at_start(r, "eval_one_answer") for rs in runs.values() for r in rs)
+    labels = list(runs)
+    # rule (written before the first run): K=8 beats K=2 when its mean held-out best at the
+    # end is higher by more than the larger of the two settings' std over seeds; reproduced
+    # if it does AND K=2's crash rate above its frozen-policy floor is >= 0.9 (the report's
+    # 97%); "partly" if only the first holds
+    k8_better = mean(best[labels[1]]) - mean(best[labels[0]]) > max(sd[labels[0]], sd[labels[1]])
+    # rule for the collapse: the bonus prevents it if fewer K=8 runs end on one answer with it
+    # than without, and its mean eval_one_answer at the end is lower by more than 0.1
+    ended = {label: sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for label, rs in runs.items()}
+    prevents = ended[labels[2]] < ended[labels[1]] and \
+        mean(r["eval_one_answer_end"] for r in bonus) < mean(r["eval_one_answer_end"] for r in k8) - 0.1
+    steps = lambda label: ", ".join("-" if s is None else str(s) for s in ones[label])
+    return dict(report="001", figure="real_group_size/compare.png",
+                claim="K=2, B=3 with group norm collapses right after 97% of updates; K=8 fixes it; "
+                      "(Lesson 5) GRPO on SmolLM2 collapses onto one workflow for every prompt",
+                measured=f"held-out best at the end: K=2/B=3 {compare.spread(best[labels[0]])}, K=8/B=3 "
+                         f"{compare.spread(best[labels[1]])}, K=8 + entropy bonus {compare.spread(best[labels[2]])}; "
+                         f"K=2 crash rate above its frozen-policy floor {crash:.2f}; runs ending on one answer "
+                         f"(>= {COLLAPSED:.0%} of held-out samples the same text; {start:.2f} at the warm start): "
+                         + "; ".join(f"{label} {ended[label]}/{len(runs[label])} (first at step {steps(label)})"
+                                     for label in labels),
+                verdict=("reproduced" if k8_better and crash >= 0.9 else
+                         "partly: K=8 learns more than K=2, but K=2 does not crash after most updates"
+                         if k8_better else "not reproduced")
+                + f"; the entropy bonus {'prevents' if prevents else 'does not prevent'} the collapse onto one answer")
+
+
+# ---- report 000: sparse against shaped reward for tool calls ----
+
+def real_tools(lab: RealLab, log=print) -> dict:
+    """Sparse +-1 vs report 000's shaped reward on the tool task, on SmolLM2 (report 000)."""
+    runs = {label: lab.runs("real_tools", label, log) for label in SETTINGS["real_tools"]}
+    write_table(lab, "real_tools", runs, compare.STANDARD["tools"])
+    sparse, shaped = runs.values()
+    e = lambda rs, key: mean(r[key] for r in rs)
+    # rule: the toy lab's, written before its first run: tool use dies out under sparse (fewer
+    # than half the shaped runs' calls, success < 0.5); reproduced only if the sparse reward
+    # also stays near -1 (< -0.8)
+    died = e(sparse, "eval_tool_calls_end") < 0.5 * e(shaped, "eval_tool_calls_end") \
+        and e(sparse, "eval_tool_success_rate_end") < 0.5
+    stuck = e(sparse, "eval_reward_mean_end") < -0.8
+    return dict(report="000", figure="real_tools/compare.png",
+                claim="with a sparse ±1 reward the agent stops calling tools and the reward stays at -1; "
+                      "most advantages are negative; a shaped reward fixes it",
+                measured=f"held-out tool calls per episode at the end: sparse {spread(sparse, 'eval_tool_calls_end')}, "
+                         f"shaped {spread(shaped, 'eval_tool_calls_end')} (at the warm start "
+                         f"{mean(at_start(r, 'eval_tool_calls') for r in shaped):.2f}); "
+                         f"accuracy {spread(sparse, 'eval_accuracy_end')} vs {spread(shaped, 'eval_accuracy_end')}; "
+                         f"held-out reward under sparse {spread(sparse, 'eval_reward_mean_end')}; share A < 0 "
+                         f"{e(sparse, 'frac_adv_negative_mean'):.2f} vs {e(shaped, 'frac_adv_negative_mean'):.2f}",
+                verdict="not reproduced" if not died else "reproduced" if stuck else
+                "partly: tool calling dies out under the sparse reward, but its reward does not stay at -1")
+
+
+# ---- report 003: RCE, then GRPO ----
+
+def real_rce_grpo(lab: RealLab, log=print) -> dict:
+    """RCE-only vs RCE -> GRPO vs GRPO-only, composite reward, on SmolLM2 (report 003)."""
+    for seed in range(lab.seeds):                   # stage 1's checkpoint is not committed
+        if needs_stage1_again(lab, seed):
+            compare.run_one(lab.argv("real_rce_grpo", "RCE (stage 1)", seed) + ["--overwrite"], compare.Launch())
+    runs = {label: lab.runs("real_rce_grpo", label, log) for label in SETTINGS["real_rce_grpo"]}
+    write_table(lab, "real_rce_grpo", runs, [
+        ("held-out best (end)", "eval_best_rate_end"), ("held-out best (best eval)", "eval_best_rate_best"),
+        ("best step", "best_step"), ("held-out answer NLL (end)", "eval_answer_nll_end")])
+    base = mean(r["eval_best_rate_start"] for r in runs["GRPO-only"])          # the warm start
+    end = {label: [r["eval_best_rate_end"] for r in rs] for label, rs in runs.items()}
+    n = lab.seeds
+    # rules (written before the first run), each on the held-out best rate at the end:
+    # 1. RCE-only below the warm start in all seeds but at most one
+    below = sum(x < base for x in end["RCE-only"])
+    # 2. RCE -> GRPO above RCE-only in all seeds but one, and its mean still below the warm start
+    recovered = sum(a > b for a, b in zip(end["RCE -> GRPO"], end["RCE-only"]))
+
+    # 3. over-training: GRPO-only's held-out answer NLL ends >= 10% above its lowest evaluation
+    #    while the training prompts' NLL at the end is no higher than at that evaluation
+    def diverged(run):
+        rows = [x for x in plots.read_metrics(Path(run["out"])) if x.get("eval_answer_nll") is not None]
+        low = min(rows, key=lambda x: x["eval_answer_nll"])
+        return rows[-1]["eval_answer_nll"] >= 1.1 * low["eval_answer_nll"] and \
+            rows[-1]["train_answer_nll"] <= low["train_answer_nll"]
+    over = sum(diverged(r) for r in runs["GRPO-only"])
+    # 4. early stopping pays: in at least half the GRPO-only and RCE -> GRPO runs the best
+    #    held-out evaluation is >= 0.05 above the end's (stopping there keeps something better)
+    both = runs["GRPO-only"] + runs["RCE -> GRPO"]
+    pays = sum(r["eval_best_rate_best"] - r["eval_best_rate_end"] >= 0.05 for r in both)
+    verdicts = [("RCE-only below the warm start", below >= n - 1),
+                ("GRPO after RCE recovers part of it", recovered >= n - 1 and mean(end["RCE -> GRPO"]) < base),
+                ("over-training: held-out loss up while the training loss falls", over >= n / 2),
+                ("early stopping keeps a better policy", pays >= len(both) / 2)]
+    held = [name for name, ok in verdicts if ok]
+    return dict(report="003", figure="real_rce_grpo/compare.png",
+                claim="RCE-only fell below the baseline; GRPO after RCE recovered part of it; GRPO's validation "
+                      "loss rose while its training loss fell; early stopping on validation keeps the best",
+                measured=f"held-out best rate at the end: warm start {base:.2f}, RCE-only {compare.spread(end['RCE-only'])} "
+                         f"(below the warm start in {below}/{n}), RCE -> GRPO {compare.spread(end['RCE -> GRPO'])} "
+                         f"(above RCE-only in {recovered}/{n}), GRPO-only {compare.spread(end['GRPO-only'])}; "
+                         f"GRPO-only runs whose held-out answer NLL ended >= 10% above its minimum while the "
+                         f"training NLL did not rise: {over}/{n}; runs whose best evaluation beat their end by "
+                         f">= 0.05: {pays}/{len(both)}",
+                verdict="reproduced" if len(held) == 4 else
+                f"partly: {'; '.join(held)} (of the four claims)" if held else "not reproduced")
+
+
+# ---- report 002: the monitor's alerts on these runs ----
+
+def real_monitor(lab: RealLab, log=print) -> dict:
+    """The stability monitor's alerts on every DSL run above: how early before a collapse onto
+    one answer, and how often on runs that never collapse (report 002)."""
+    runs = [lab.run(name, label, seed, log) for name in ("real_group_size", "real_rce_grpo")
+            for label in SETTINGS[name] if label != "RCE (stage 1)" for seed in range(lab.seeds)]
+    leads, false_alarms, quiet = [], 0, 0
+    for run in runs:
+        rows = plots.read_metrics(Path(run["out"]))
+        alerted = [row["step"] for row in rows if row.get("alerts")]
+        at = collapse_step(run)
+        if at is None:
+            false_alarms += bool(alerted)
+            quiet += not alerted
+        else:
+            leads.append(at - alerted[0] if alerted and alerted[0] <= at else None)
+    warned = [x for x in leads if x is not None and x >= 1]
+    n_collapsed, n_fine = len(leads), false_alarms + quiet
+    # rule (written before the first run): reproduced if an alert fires at least one step
+    # before the collapse in >= 2/3 of the collapsed runs AND on fewer than half of the runs
+    # that never collapse; "cannot tell" when no run collapses
+    verdict = "cannot tell: no run collapsed onto one answer" if not n_collapsed else \
+        "reproduced" if len(warned) >= 2 / 3 * n_collapsed and false_alarms < n_fine / 2 else "not reproduced"
+    lead_text = ", ".join("none" if x is None else f"{x} steps" for x in leads) or "no collapse"
+    return dict(report="002", figure=None,
+                claim="the monitor's alerts (entropy low, KL high, reward swings) warn before a collapse",
+                measured=f"{n_collapsed} of {len(runs)} DSL runs collapsed onto one answer; the first alert came "
+                         f"before the collapse by: {lead_text}; alerts on runs that never collapsed: "
+                         f"{false_alarms}/{n_fine}",
+                verdict=verdict)
+
+
+EXPERIMENTS = {"real_group_size": real_group_size, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
+               "real_monitor": real_monitor}

@@ -1,0 +1,60 @@
+"""lab/real.py's bookkeeping, on the tiny model: every finished (experiment, setting, seed)
+run is kept and skipped when the lab runs again; one cut short (kill -9: no summary; Ctrl-C:
+an interrupted one) runs again from its beginning; a run whose flags changed runs again; the
+estimate counts only the runs left. (The experiments themselves run on SmolLM2: results/smollm2-135m.)"""
+import json
+
+import pytest
+
+from lab import compare
+from lab import real
+
+TINY = "--eval-every 2 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1"
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    monkeypatch.setattr(real, "COMMON", TINY)
+    monkeypatch.setattr(real, "SETTINGS", {"real_group_size": {
+        "K=2, B=3": "--k 2 --batch 3 --steps 3", "K=8, B=3": "--k 8 --batch 3 --steps 3",
+        "K=8, B=3, entropy bonus 0.01": "--k 8 --batch 3 --steps 3 --entropy-coef 0.01"}})
+    calls = []
+    run_one = compare.run_one
+    monkeypatch.setattr(compare, "run_one", lambda argv, launch: calls.append(argv) or run_one(argv, launch))
+    lab = real.RealLab(tmp_path, model="", seeds=2)
+    lab.calls = calls
+    return lab
+
+
+def test_finished_runs_are_kept_and_a_run_cut_short_starts_again(lab):
+    assert real.estimate(lab, ["real_group_size"])[0] == 6
+    first = real.real_group_size(lab, log=lambda s: None)
+    assert len(lab.calls) == 6 and first["verdict"]
+    assert (lab.root / "real_group_size" / "table.md").is_file()
+    assert real.estimate(lab, ["real_group_size"])[0] == 0
+
+    lab.calls.clear()
+    real.real_group_size(lab, log=lambda s: None)
+    assert lab.calls == [], "a second lab reruns nothing"
+
+    killed = lab.out("real_group_size", "K=8, B=3", 1)
+    (killed / "summary.json").unlink()                       # kill -9: the summary never written
+    stopped = lab.out("real_group_size", "K=2, B=3", 0)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps(dict(summary, interrupted="SIGINT")))   # Ctrl-C
+    assert real.estimate(lab, ["real_group_size"])[0] == 2
+    again = real.real_group_size(lab, log=lambda s: None)
+    assert sorted(a[a.index("--out") + 1] for a in lab.calls) == sorted([str(killed), str(stopped)])
+    assert all("--overwrite" in a for a in lab.calls)
+    assert again["measured"] == first["measured"], "the same runs, the same numbers"
+
+
+def test_a_setting_whose_flags_changed_runs_again(lab, monkeypatch):
+    lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
+    lab.calls.clear()
+    lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
+    assert lab.calls == []
+    monkeypatch.setitem(real.SETTINGS["real_group_size"], "K=2, B=3", "--k 2 --batch 3 --steps 4")
+    assert real.finished(lab.argv("real_group_size", "K=2, B=3", 0)) is None
+    lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
+    assert len(lab.calls) == 1
