@@ -12,6 +12,7 @@ Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
     surrogate = min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)     (PPO)
     kl_it     = a per-token estimate of KL(policy || reference)                    (kl.py; k3 default)
     loss_it   = -surrogate + beta * kl_it - entropy_coef * H_it
+                (--policy-loss: dual-clip, CISPO, SAPO or GMPO in place of -surrogate: surrogates.py)
 
 summed over tokens and divided by one of three normalisers (`aggregate`). GRPO departs
 from PPO in two places: the advantage is a group statistic of sequence rewards instead of a
@@ -40,6 +41,7 @@ import torch
 
 import advantages
 import kl
+import surrogates
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,12 @@ class HyperParams:
     clip_low: float = 0.2            # ratio kept in [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2
     ratio_level: str = "token"       # token (PPO) or sequence (GSPO): importance_ratio
+    policy_loss: str = "clip"        # clip (PPO's) | dual-clip | cispo | sapo | gmpo (surrogates.py)
+    dual_clip_c: float = 3.0         # dual-clip: the loss of an A < 0 token at most -c * A
+    cispo_max: float = 5.0           # cispo: the importance weight capped here
+    sapo_tau_pos: float = 1.0        # sapo: the gate's temperature for A > 0
+    sapo_tau_neg: float = 1.05       # sapo: ... and for A < 0
+    gmpo_delta: float = 0.4          # gmpo: each log-ratio clipped to [-delta, delta]
     beta: float = 0.0                # KL coefficient (this step's, kl.py)
     kl_estimator: str = "k3"         # kl.estimate's k1 | k2 | k3
     entropy_coef: float = 0.0        # entropy bonus (this step's)
@@ -174,11 +182,16 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     reference and the KL in the loss; ref_kl (k3, whichever estimator the loss uses) is
     measured whenever there is a reference."""
     mask = rows.mask                                                            # (n, C)
-    ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)             # (n, C) or (n, 1)
-    surrogate, clipped = clipped_surrogate(ratio, rows.advantages, hp.clip_low, hp.clip_high)
-    surrogate, clipped = surrogate.expand_as(logp), clipped.expand_as(logp)     # (n, C): a sequence's
+    if hp.policy_loss == "clip":
+        ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)         # (n, C) or (n, 1)
+        surrogate, clipped = clipped_surrogate(ratio, rows.advantages, hp.clip_low, hp.clip_high)
+        surrogate, clipped = surrogate.expand_as(logp), clipped.expand_as(logp) # (n, C): a sequence's
                                                                                 # ratio on its every token
-    per_token = -surrogate                                                      # (n, C)
+        per_token = -surrogate                                                  # (n, C)
+        low, high = clipped & (ratio < 1).expand_as(logp), clipped & (ratio > 1).expand_as(logp)
+    else:                       # the 2025-26 objectives (surrogates.py), token ratios
+        per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp)
+        clipped = low | high
     sums = {}
     if rows.ref_logp is not None:
         kl_t = kl.estimate(logp, rows.ref_logp, hp.kl_estimator)                # (n, C)
@@ -191,7 +204,8 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     # approx_kl = E[(ratio - 1) - log ratio]: k3 of KL(old || new), how far this update moved (CleanRL)
     approx_kl = kl.estimate(old_logp, logp.detach(), "k3")                     # (n, C)
     sums.update(entropy=(entropy.detach() * mask).sum().item(),
-                clip_frac=(clipped.float() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item())
+                clip_frac=(clipped.float() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item(),
+                clip_frac_low=(low.float() * mask).sum().item(), clip_frac_high=(high.float() * mask).sum().item())
     return per_token, sums
 
 

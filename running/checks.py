@@ -71,6 +71,7 @@ def validate(cfg):
     need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
     need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
     cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
+    policy_loss_checks(cfg, need)
     need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
     need(0 <= cfg.clip_eps_high <= 100, "clip-eps-high", f"must be in [0, 100] (0 = --clip-eps), got {cfg.clip_eps_high}")
     need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")
@@ -169,9 +170,39 @@ def validate(cfg):
 # to anything but their default with another --algo, they are refused. --ratio-level,
 # --dynamic-sampling, --critic, --critic-lr and RCE's --beta have checks of their own above,
 # which say why; --kl-estimator and --kl-in act only with --beta > 0, which RCE refuses.
+# each 2025-26 objective's own knob, and the objective that reads it (surrogates.py)
+KNOB_OF = {"dual_clip_c": "dual-clip", "cispo_max": "cispo", "sapo_tau_pos": "sapo", "sapo_tau_neg": "sapo",
+           "gmpo_delta": "gmpo"}
+
+
+def policy_loss_checks(cfg, need) -> None:
+    """--policy-loss and its knobs: positive values; a knob only with its objective; the
+    objectives that take a token ratio not with GSPO's sequence ratio; GMPO's one weight per
+    sequence not with PPO's per-token advantages."""
+    for name, loss in KNOB_OF.items():
+        flag, value = name.replace("_", "-"), getattr(cfg, name)
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        need(value > (1 if name == "dual_clip_c" else 0), flag,
+             f"must be > {1 if name == 'dual_clip_c' else 0}, got {value}")
+        need(cfg.policy_loss == loss or value == default, flag,
+             f"only --policy-loss {loss} reads it; --policy-loss {cfg.policy_loss} would ignore it")
+    need(cfg.policy_loss == "clip" or cfg.ratio_level == "token", "policy-loss",
+         f"{cfg.policy_loss} weighs each token by its own ratio; --ratio-level sequence is GSPO's clip, "
+         f"not a ratio the others take")
+    knob = "/--".join(name.replace("_", "-") for name, loss in KNOB_OF.items() if loss == cfg.policy_loss)
+    for name in ("clip_eps", "clip_eps_high"):
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        need(cfg.policy_loss in ("clip", "dual-clip") or getattr(cfg, name) == default, name.replace("_", "-"),
+             f"bounds PPO's clip; --policy-loss {cfg.policy_loss} has its own knob (--{knob})")
+    need(cfg.policy_loss != "gmpo" or cfg.algo == "grpo", "policy-loss",
+         f"gmpo weighs a sequence by one advantage; --algo {cfg.algo} gives "
+         + ("one per token (GAE)" if cfg.algo == "ppo" else "no ratio at all"))
+
+
 USED_BY = {
     "norm": ("grpo",), "unbiased": ("grpo",), "adv_clip": ("grpo",),     # GRPO's advantages; PPO: GAE
     "clip_eps": ("grpo", "ppo"), "clip_eps_high": ("grpo", "ppo"),        # RCE has no ratio
+    "policy_loss": ("grpo", "ppo"),
     "loss_agg": ("grpo", "ppo"), "target_kl": ("grpo", "ppo"),            # RCE: its own mean, no approx_kl
     "entropy_coef": ("grpo", "ppo"), "entropy_coef_end": ("grpo", "ppo"), # RCE's loss has no entropy term
     "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",), "value_clip": ("ppo",),   # the critic's

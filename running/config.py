@@ -25,6 +25,7 @@ import kl
 import ppo
 import rce
 from running import schedules
+import surrogates
 from running.checks import ConfigError, default_out, saved_fields, validate  # noqa: F401 (default_out: for importers)
 import tasks
 
@@ -73,6 +74,14 @@ class Config:
     ratio_level: str = opt(GRPO.ratio_level, "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the "
                            "geometric mean of its token ratios; then, unless given, its paper's --clip-eps "
                            "3e-4 --clip-eps-high 4e-4 --loss-agg seq-mean-token-mean)", choices=grpo.RATIO_LEVELS)
+    policy_loss: str = opt(GRPO.policy_loss, "the policy-gradient objective: PPO's clip, or a 2025-26 one in its "
+                           "place: dual-clip, CISPO, SAPO, GMPO (surrogates.py)", choices=surrogates.POLICY_LOSSES)
+    dual_clip_c: float = opt(GRPO.dual_clip_c, "--policy-loss dual-clip: a negative-advantage token's loss at most -c*A (c > 1)")
+    cispo_max: float = opt(GRPO.cispo_max, "--policy-loss cispo: the cap of the stopped importance weight (> 0)")
+    sapo_tau_pos: float = opt(GRPO.sapo_tau_pos, "--policy-loss sapo: the gate's temperature for A > 0 (> 0)")
+    sapo_tau_neg: float = opt(GRPO.sapo_tau_neg, "--policy-loss sapo: the gate's temperature for A < 0 (> 0)")
+    gmpo_delta: float = opt(GRPO.gmpo_delta, "--policy-loss gmpo: each token's log-ratio clipped to [-delta, delta] "
+                            "(> 0); unless given, --loss-agg seq-mean-token-mean")
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
     min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
@@ -205,7 +214,8 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         temperature=cfg.temperature,
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
         fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
-        seed=cfg.seed)
+        policy_loss=cfg.policy_loss, dual_clip_c=cfg.dual_clip_c, cispo_max=cfg.cispo_max,
+        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, gmpo_delta=cfg.gmpo_delta, seed=cfg.seed)
     if cfg.algo == "ppo":
         return ppo.PPOParams(**common, gamma=cfg.gamma, lam=cfg.lam, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
     if cfg.algo == "rce":
@@ -293,7 +303,10 @@ GSPO_DEFAULTS = dict(clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token
 
 
 def gspo_defaults(cfg: Config, given: dict) -> Config:
-    """--ratio-level sequence: GSPO's clip range and aggregation for the flags not given."""
+    """--ratio-level sequence: GSPO's clip range and aggregation for the flags not given;
+    --policy-loss gmpo: its mean over sequences (verl's geo_mean), unless --loss-agg is given."""
+    if cfg.policy_loss == "gmpo" and "loss_agg" not in given:
+        cfg = dataclasses.replace(cfg, loss_agg="seq-mean-token-mean")
     if cfg.ratio_level != "sequence":
         return cfg
     return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})

@@ -18,6 +18,11 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               taken): token means over the last epoch; approx_kl =
                               E[(ratio - 1) - log ratio]; loss and grad_norm are means over
                               the last epoch's mini-batches, grad_norm before clipping
+    clip_frac_low, clip_frac_high   the share of policy tokens whose ratio was held at its lower /
+                              upper bound (clip: r < 1 - eps_low with A < 0 / r > 1 + eps_high
+                              with A > 0; dual-clip's cap counts as high; cispo: r > its cap;
+                              gmpo: a clipped log-ratio; sapo: r outside [0.8, 1.2], nothing held):
+                              TRL's clip_ratio/low_mean and clip_ratio/high_mean (surrogates.py)
     update_skipped            why the step took no update, or null: non_finite_reward,
                               no_group_kept (--dynamic-sampling), no_signal (GRPO, every
                               advantage 0, no KL or entropy term), all_fallback
@@ -131,8 +136,8 @@ def no_rollout(task) -> dict:
 
 def no_update(*nonfinite) -> dict:
     """The update statistics of a step without an update (nonfinite: why it was skipped)."""
-    return dict(loss=None, entropy=None, clip_frac=None, approx_kl=None, grad_norm=None,
-                steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
+    return dict(loss=None, entropy=None, clip_frac=None, clip_frac_low=None, clip_frac_high=None,
+                approx_kl=None, grad_norm=None, steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
 
 
 def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:

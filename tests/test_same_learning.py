@@ -46,8 +46,10 @@ ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
 # Measurements added after the redesign, which read the policy and change nothing it learns:
 # issue 18's answer NLL at each held-out evaluation; issue 17's task difficulty of each step.
 # Issue 33's update_skipped, the reason a step took no update (null when it took one).
-# Issue 34's eval_one_answer, the share of held-out samples that are the commonest one.
-MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty", "update_skipped", "eval_one_answer"}
+# Issue 34's eval_one_answer, the share of held-out samples that are the commonest one; issue
+# 35's clip_frac_low / clip_frac_high, clip_frac split by side.
+MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty", "update_skipped", "eval_one_answer",
+                  "clip_frac_low", "clip_frac_high"}
 
 
 def run(name: str, tmp: Path) -> list[dict]:

@@ -1,0 +1,134 @@
+"""The policy-gradient objective, five ways: PPO's clip and what 2025-26 trainers put in its place.
+
+PPO's clip (grpo.clipped_surrogate) bounds how far one update moves each token's probability:
+outside [1 - eps_low, 1 + eps_high] a token's gradient is exactly 0. That is the safety, and
+the problem the newer objectives answer. A rare token the policy is starting to prefer
+("Wait", a second workflow for a problem type) quickly leaves the range and stops learning,
+which feeds the entropy collapse this course is about (Lesson 5: SmolLM2 writes one workflow
+for every prompt); and for a negative advantage the clip never bounds the loss at all when
+the ratio explodes. --policy-loss picks one (ratio r_it = exp(logp_it - logp_old_it), A the
+sequence's advantage, or the token's for PPO):
+
+    clip       -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)                    PPO, GRPO, DAPO
+    dual-clip  clip's loss, and for A < 0 at most -c A:                            verl clip_ratio_c,
+               max(min(r A, clip(r) A), c A)  to maximise, c = 3                   OpenRLHF dual_clip
+    cispo      -sg(min(r, eps_max)) A log pi_it: the ratio is a stopped weight,    MiniMax-M1; TRL
+               capped at eps_max = 5; every token keeps its gradient A grad log pi  loss_type="cispo"
+    sapo       -g(r) A, the gate g(r) = sigmoid(tau (r - 1)) * 4 / tau, tau_pos for A > 0,
+               tau_neg > tau_pos for A < 0: a soft trust region, its gradient fading smoothly
+               instead of stopping at an edge                                     TRL/verl "sapo"
+    gmpo       -A exp(mean_t clip_sign(log r_it)): the geometric mean of the token ratios of a
+               sequence, each log-ratio clipped to [-delta, delta] on the side the advantage
+               pushes (delta = 0.4, i.e. r in (e^-0.4, e^0.4)): one outlier token cannot swing
+               the sequence's weight as it swings an arithmetic mean             verl "geo_mean"
+
+Each function below returns the per-token loss (n, C) that grpo.aggregate averages, and the
+tokens where a bound bit, split by side (low: the ratio under its lower bound, high: over its
+upper bound; TRL's clip_ratio/low_mean and high_mean). tests/test_surrogates.py checks each
+against a re-implementation of verl's or TRL's formula, values and gradients, and the lesson
+each one teaches: CISPO keeps a gradient on a clipped token where PPO's clip gives none,
+dual-clip bounds the loss of a negative-advantage token whose ratio explodes.
+"""
+import torch
+
+POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo")
+
+
+def advantage_per_token(adv: torch.Tensor) -> torch.Tensor:
+    """(n,) one per sequence (GRPO) or (n, C) per token (PPO) -> broadcastable (n, 1) or (n, C)."""
+    return adv.unsqueeze(1) if adv.dim() == 1 else adv
+
+
+def ppo_clip(ratio, adv, eps_low: float, eps_high: float):
+    """PPO's clipped surrogate as a loss (n, C), and where it clipped (low, high).
+
+        loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
+
+    The min takes the clipped term only where moving r further would raise the objective:
+    A > 0 and r > 1 + eps_high (high), A < 0 and r < 1 - eps_low (low)."""
+    a = advantage_per_token(adv)
+    loss = -torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+    high = (ratio > 1 + eps_high) & (a > 0)
+    low = (ratio < 1 - eps_low) & (a < 0)
+    return loss, low, high
+
+
+def dual_clip(ratio, adv, eps_low: float, eps_high: float, c: float):
+    """PPO's clip, and for A < 0 the loss bounded at -c A (c > 1; Ye et al. 2020):
+
+        A >= 0:  -min(r A, clip(r) A)
+        A <  0:  min(-min(r A, clip(r) A), -c A)
+
+    With A < 0 the clipped term is -clip(r) A, which grows without bound as r does: one token
+    the update made 100x likelier than when it was sampled adds 100 |A| to the loss. The
+    second clip caps it (high: those capped tokens)."""
+    a = advantage_per_token(adv)
+    loss, low, high = ppo_clip(ratio, adv, eps_low, eps_high)
+    capped = (a < 0) & (loss > -c * a)
+    return torch.where(capped, -c * a, loss), low, high | capped
+
+
+def cispo(ratio, logp, adv, eps_max: float):
+    """CISPO's loss: the importance weight clipped and stopped, the gradient through log pi.
+
+        loss = -sg(min(r, eps_max)) A log pi
+
+    d loss / d logp = -min(r, eps_max) A: never 0, so a token past the cap still learns, at
+    the capped weight (high: capped tokens). Its value is not PPO's (it is A log pi, not r A);
+    only its gradient matters."""
+    a = advantage_per_token(adv)
+    weight = ratio.clamp(max=eps_max).detach()
+    return -weight * a * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio > eps_max
+
+
+def sapo(ratio, adv, tau_pos: float, tau_neg: float):
+    """SAPO's soft gate instead of the clip:
+
+        loss = -(4 / tau) sigmoid(tau (r - 1)) A,     tau = tau_pos if A > 0 else tau_neg
+
+    At r = 1 its gradient is A (the plain policy gradient, as PPO's); it fades as r leaves 1,
+    faster with a larger tau; negative advantages get the larger tau (they shrink many
+    tokens' probabilities at once, the move that destabilises). No bound bites: low and high
+    report where the ratio left PPO's [0.8, 1.2], for comparison."""
+    a = advantage_per_token(adv)
+    tau = torch.where(a > 0, torch.as_tensor(tau_pos, dtype=ratio.dtype), torch.as_tensor(tau_neg, dtype=ratio.dtype))
+    loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * a
+    return loss, ratio < 0.8, ratio > 1.2
+
+
+def gmpo(logp, old_logp, adv, mask, delta: float):
+    """GMPO's loss: one weight per sequence, the geometric mean of its clipped token ratios.
+
+        x_it = sign(A_i) * min(sign(A_i) log r_it, sign(A_i) clip(log r_it, -delta, delta))
+        loss_i = -A_i exp( sum_t mask_it x_it / |y_i| )          on every token of sequence i
+
+    The min keeps the clipped log-ratio only on the side that would raise the objective
+    (PPO's pessimism, per token, in log space). The per-sequence loss sits on each of its
+    tokens; aggregated with seq-mean-token-mean (running/config.py makes it --policy-loss
+    gmpo's default) it is verl's mean over sequences. Sequence advantages only (GRPO)."""
+    log_ratio = logp - old_logp                                                  # (n, C)
+    sign = torch.sign(adv).unsqueeze(1)                                          # (n, 1)
+    clamped = log_ratio.clamp(-delta, delta)
+    x = sign * torch.min(sign * log_ratio, sign * clamped)                       # (n, C)
+    m = mask.to(logp.dtype)
+    weight = torch.exp((x * m).sum(1) / m.sum(1).clamp_min(1))                   # (n,)
+    loss = (-adv * weight).unsqueeze(1).expand_as(logp)                          # (n, C)
+    bit = log_ratio != clamped
+    return loss, bit & (sign < 0), bit & (sign > 0)
+
+
+def policy_gradient_loss(logp, old_logp, adv, mask, hp):
+    """The per-token policy-gradient loss (n, C) of hp.policy_loss, and where its bounds bit
+    (low, high), (n, C) bool each. hp: grpo.HyperParams (its clip_low/clip_high, dual_clip_c,
+    cispo_max, sapo_tau_pos/neg, gmpo_delta). 'clip' with the sequence ratio is GSPO's
+    (grpo.importance_ratio); the others take the token ratio."""
+    ratio = torch.exp(logp - old_logp)                                           # (n, C)
+    if hp.policy_loss == "dual-clip":
+        return dual_clip(ratio, adv, hp.clip_low, hp.clip_high, hp.dual_clip_c)
+    if hp.policy_loss == "cispo":
+        return cispo(ratio, logp, adv, hp.cispo_max)
+    if hp.policy_loss == "sapo":
+        return sapo(ratio, adv, hp.sapo_tau_pos, hp.sapo_tau_neg)
+    if hp.policy_loss == "gmpo":
+        return gmpo(logp, old_logp, adv, mask, hp.gmpo_delta)
+    raise ValueError(f"unknown --policy-loss {hp.policy_loss!r}; expected one of {POLICY_LOSSES}")

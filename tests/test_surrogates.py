@@ -1,0 +1,201 @@
+"""surrogates.py against re-implementations of verl's and TRL's formulas (values and gradients
+on random inputs), the lesson each objective teaches, and --policy-loss through train.py."""
+import json
+
+import pytest
+import torch
+
+import grpo
+import surrogates
+from conftest import quick
+
+
+def inputs(seed=0, n=6, c=5):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(n, c, generator=gen) * 3
+    logp = (old + 0.6 * torch.randn(n, c, generator=gen)).requires_grad_(True)
+    adv = torch.randn(n, generator=gen)
+    mask = torch.ones(n, c)
+    mask[0, 3:], mask[4, 1:] = 0, 0
+    return logp, old, adv, mask
+
+
+def token_mean(loss, mask):
+    return (loss * mask).sum() / mask.sum()
+
+
+# ---- the references, written as verl's core_algos.py writes them (A per token: (n, C)) ----
+
+def verl_vanilla_dual_clip(old_log_prob, log_prob, advantages, mask, low, high, clip_ratio_c):
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    return token_mean(torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1), mask)
+
+
+def trl_cispo(old_log_prob, log_prob, advantages, mask, epsilon_high):
+    coef_1 = torch.exp(log_prob - old_log_prob)
+    coef = torch.clamp(coef_1, max=epsilon_high).detach()
+    return token_mean(-coef * advantages * log_prob, mask)
+
+
+def verl_sapo(old_log_prob, log_prob, advantages, mask, tau_pos, tau_neg):
+    ratio = torch.exp((log_prob - old_log_prob).clamp(-20, 20))
+    taus = torch.where(advantages > 0, torch.tensor(tau_pos), torch.tensor(tau_neg))
+    gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
+    return token_mean(-gates * advantages, mask)
+
+
+def verl_geo_mean(old_log_prob, log_prob, advantages, mask, low, high):
+    negative_approx_kl = log_prob - old_log_prob
+    sgn = torch.sign(advantages)
+    clamped = torch.clamp(negative_approx_kl, -low, high)
+    kl_min = sgn * torch.min(sgn * negative_approx_kl, sgn * clamped)
+    ratio = torch.exp((kl_min * mask).sum(-1) / (mask.sum(-1) + 1e-8))
+    advantage = (advantages * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    return torch.mean(-advantage * ratio)
+
+
+def ours(name, logp, old, adv, mask, **knobs):
+    hp = grpo.HyperParams(mini_batch=6, micro_batch=6, policy_loss=name, **knobs)
+    loss, low, high = surrogates.policy_gradient_loss(logp, old, adv, mask, hp)
+    agg = "seq-mean-token-mean" if name == "gmpo" else "token-mean"
+    return grpo.aggregate(loss, mask, agg, len(mask), mask.sum(), 24), low, high
+
+
+@pytest.mark.lesson
+@pytest.mark.parametrize("name, reference, knobs, ref_args", [
+    ("dual-clip", verl_vanilla_dual_clip, dict(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0), (0.2, 0.28, 3.0)),
+    ("cispo", trl_cispo, dict(cispo_max=1.3), (1.3,)),
+    ("sapo", verl_sapo, dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05), (1.0, 1.05)),
+    ("gmpo", verl_geo_mean, dict(gmpo_delta=0.4), (0.4, 0.4)),
+])
+def test_each_objective_equals_its_reference_in_value_and_gradient(name, reference, knobs, ref_args):
+    for seed in range(3):
+        logp, old, adv, mask = inputs(seed)
+        mine, _, _ = ours(name, logp, old, adv, mask, **knobs)
+        (g_mine,) = torch.autograd.grad(mine, logp)
+        theirs = reference(old, logp, adv.unsqueeze(1).expand_as(logp), mask, *ref_args)
+        (g_theirs,) = torch.autograd.grad(theirs, logp)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_mine * mask, g_theirs * mask, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.lesson
+def test_cispo_keeps_a_gradient_on_a_clipped_token_where_ppos_clip_gives_none():
+    """A rare token the update already made 3x likelier, with a positive advantage: PPO's clip
+    (1.2) gives it gradient 0; CISPO gives it -min(r, 5) * A = -3A."""
+    old = torch.tensor([[-4.0]])
+    logp = (old + torch.log(torch.tensor(3.0))).requires_grad_(True)            # r = 3
+    adv, mask = torch.tensor([1.0]), torch.ones(1, 1)
+    (g_clip,) = torch.autograd.grad(surrogates.ppo_clip(torch.exp(logp - old), adv, 0.2, 0.2)[0].sum(), logp)
+    cispo_loss, _, capped = surrogates.cispo(torch.exp(logp - old), logp, adv, 5.0)
+    (g_cispo,) = torch.autograd.grad(cispo_loss.sum(), logp)
+    assert g_clip.item() == 0.0, "PPO's clip: no gradient past 1 + eps"
+    assert g_cispo.item() == pytest.approx(-3.0, rel=1e-5) and not capped.any()
+
+
+@pytest.mark.lesson
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token_whose_ratio_explodes():
+    """A = -1, r = 100: PPO's clip charges 100 (its min keeps r*A); dual-clip caps it at c = 3."""
+    old = torch.tensor([[-6.0]])
+    logp = old + torch.log(torch.tensor(100.0))
+    ratio, adv = torch.exp(logp - old), torch.tensor([-1.0])
+    clip_loss, _, _ = surrogates.ppo_clip(ratio, adv, 0.2, 0.2)
+    dual_loss, _, high = surrogates.dual_clip(ratio, adv, 0.2, 0.2, 3.0)
+    assert clip_loss.item() == pytest.approx(100.0, rel=1e-4) and dual_loss.item() == pytest.approx(3.0)
+    assert high.all()
+
+
+@pytest.mark.lesson
+def test_sapo_is_the_plain_policy_gradient_at_ratio_one_and_fades_instead_of_stopping():
+    """The weight SAPO puts on grad log pi (A = 1) at r = 1, 1.2, 4, 10: -1 (PPO's), then a
+    soft fade, -0.72 at r = 4 where PPO's clip gives exactly 0, and near 0 by r = 10."""
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.0, 1.2, 4.0, 10.0]])).requires_grad_(True)
+    loss, _, _ = surrogates.sapo(torch.exp(logp - old), torch.tensor([1.0]), 1.0, 1.05)
+    (g,) = torch.autograd.grad(loss.sum(), logp)
+    (g_clip,) = torch.autograd.grad(surrogates.ppo_clip(torch.exp(logp - old), torch.tensor([1.0]), 0.2, 0.2)[0].sum(), logp)
+    assert g[0, 0].item() == pytest.approx(-1.0, rel=1e-5), "at r = 1: -A, as PPO's"
+    assert g_clip[0, 2].item() == 0.0 and g[0, 2].item() == pytest.approx(-0.7225, rel=1e-3)
+    assert -0.01 < g[0, 3].item() < 0
+
+
+@pytest.mark.lesson
+def test_gmpo_one_outlier_token_barely_moves_the_sequence_weight():
+    """Four tokens at r = 1 and one at r = 50, A > 0: the arithmetic mean of the ratios is
+    10.8; GMPO's geometric mean of the clipped ratios is e^(0.4/5) = 1.08."""
+    old = torch.zeros(1, 5)
+    logp = torch.tensor([[0.0, 0.0, 0.0, 0.0, float(torch.log(torch.tensor(50.0)))]])
+    loss, _, high = surrogates.gmpo(logp, old, torch.tensor([1.0]), torch.ones(1, 5), 0.4)
+    assert torch.exp(logp - old).mean().item() == pytest.approx(10.8)
+    assert -loss[0, 0].item() == pytest.approx(float(torch.exp(torch.tensor(0.08))), rel=1e-5)
+    assert high.tolist() == [[False] * 4 + [True]]
+
+
+def metrics(path):
+    return [json.loads(line) for line in open(path / "metrics.jsonl")]
+
+
+# five steps of two epochs of the default-sized tiny model (after --quick's flags, which they override)
+BASE = ["--steps", "5", "--eval-every", "5", "--epochs", "2", "--hidden", "64", "--layers", "2", "--sft-steps", "60",
+        "--batch", "4", "--k", "8"]
+
+
+@pytest.fixture(scope="module")
+def clip_run(tmp_path_factory):
+    """The metrics of the BASE run with PPO's clip, once for every comparison below."""
+    from running import config
+    import train
+    tmp = tmp_path_factory.mktemp("surrogates")
+    train.train(config.parse_config(quick(tmp, "clip", *BASE)))
+    BASE.extend(["--cache-dir", str(tmp / "cache")])       # the other runs start from the same warm start
+    return metrics(tmp / "clip")
+
+
+@pytest.mark.parametrize("flags", [["--policy-loss", "dual-clip", "--dual-clip-c", "1.05"], ["--policy-loss", "cispo"],
+                                   ["--policy-loss", "sapo"], ["--policy-loss", "gmpo"]])
+def test_each_policy_loss_trains_and_changes_only_the_update(flags, clip_run, tmp_path):
+    """Five steps of two epochs with another objective: up to the first update the run is the
+    clip run (the same rollouts), that update's loss differs, and every later step updates.
+    (dual-clip with c = 1.05, so that its cap bites within two epochs: see the next test.)"""
+    from running import config
+    import train
+    train.train(config.parse_config(quick(tmp_path, "other", *BASE, *flags)))
+    clip, other = clip_run, metrics(tmp_path / "other")
+    first = next(i for i, row in enumerate(clip) if row.get("loss") is not None)
+    assert clip[first]["reward_mean"] == other[first]["reward_mean"], "the same rollouts until the first update"
+    assert clip[first]["loss"] != other[first]["loss"], "another objective"
+    assert all(0 <= row["clip_frac_low"] <= 1 and 0 <= row["clip_frac_high"] <= 1 for row in other[1:]
+               if row["clip_frac_low"] is not None)
+
+
+def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(clip_run, tmp_path):
+    """c = 3 only bites on a negative-advantage token whose ratio passed 3: a short healthy
+    run never gets there, so it is the clip run, number for number."""
+    from running import config
+    import train
+    train.train(config.parse_config(quick(tmp_path, "dual", *BASE, "--policy-loss", "dual-clip")))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    assert strip(clip_run) == strip(metrics(tmp_path / "dual"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy-loss", "dual-clip", "--dual-clip-c", "1"], "--dual-clip-c: must be > 1"),
+    (["--policy-loss", "cispo", "--cispo-max", "-5"], "--cispo-max: must be > 0"),
+    (["--policy-loss", "sapo", "--sapo-tau-neg", "0"], "--sapo-tau-neg: must be > 0"),
+    (["--dual-clip-c", "4"], "--dual-clip-c: only --policy-loss dual-clip reads it"),
+    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: bounds PPO's clip; --policy-loss cispo has its own knob (--cispo-max)"),
+    (["--policy-loss", "sapo", "--ratio-level", "sequence"], "--policy-loss: sapo weighs each token by its own ratio"),
+    (["--policy-loss", "gmpo", "--algo", "ppo"], "--policy-loss: gmpo weighs a sequence by one advantage; --algo ppo"),
+    (["--policy-loss", "cispo", "--algo", "rce"], "--policy-loss: only --algo grpo and ppo use it"),
+])
+def test_bad_policy_loss_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
+    from running import config
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(quick(tmp_path, "bad", *argv))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
