@@ -64,7 +64,8 @@ def merge(parts: list) -> rollout.Rollout:
         width = max(t.shape[1] for t in ts)
         fields[name] = torch.cat([pad(t, width, name in PROMPT_FIELDS) for t in ts])
     return rollout.Rollout(**fields, texts=[t for p in parts for t in p.texts],
-                           rewards=torch.cat([p.rewards for p in parts]), share_prefix=parts[0].share_prefix)
+                           rewards=torch.cat([p.rewards for p in parts]), share_prefix=parts[0].share_prefix,
+                           truncated=None if any(p.truncated is None for p in parts) else torch.cat([p.truncated for p in parts]))
 
 
 def select(batch: rollout.Rollout, groups: torch.Tensor, k: int) -> rollout.Rollout:
@@ -75,7 +76,7 @@ def select(batch: rollout.Rollout, groups: torch.Tensor, k: int) -> rollout.Roll
         return None if t is None else t[rows.to(t.device)]
     fields = {name: take(getattr(batch, name)) for name in PROMPT_FIELDS + COMPLETION_FIELDS}
     return rollout.Rollout(**fields, texts=[batch.texts[i] for i in rows.tolist()], rewards=take(batch.rewards),
-                           share_prefix=batch.share_prefix)
+                           share_prefix=batch.share_prefix, truncated=take(batch.truncated))
 
 
 @dataclass

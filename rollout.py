@@ -70,6 +70,7 @@ class Rollout:
     completion_attn: torch.Tensor | None = None  # (N, C) attention over the completion when it
                                                  # differs from the mask (environment tokens)
     share_prefix: bool = False      # forwards encode each distinct prompt once (shared_prefix.py)
+    truncated: torch.Tensor | None = None    # (N,) bool: cut at the token limit, never ended (EOS / stop)
 
     def attention(self, idx=slice(None)) -> torch.Tensor:
         """(n, C) attention mask of the completion: every real token, policy's or not."""
@@ -185,7 +186,8 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     completion_ids = completion_ids.masked_fill(mask == 0, tok.pad_token_id)
     decoded = tok.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
-                    None, None, [d.strip() for d in decoded], share_prefix=sampling.shared_prefix)
+                    None, None, [d.strip() for d in decoded], share_prefix=sampling.shared_prefix,
+                    truncated=~(out[:, p_len:] == tok.eos_token_id).any(1))    # no EOS: cut at the limit
     return score_logprobs(batch, models, sampling, record_old_logp)
 
 
@@ -253,6 +255,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
         dict(eos_token_id=tok.eos_token_id, stop_strings=list(stop_strings))
     gen = plain_sampling(tok, sampling.temperature, sampling.max_new_tokens, **ends)
     active = list(range(n))
+    cut, ends_at = [False] * n, set(stops or []) | {tok.eos_token_id}   # an episode with a turn cut at the limit
     model.eval()
     while active:
         ctx, attn = left_pad([prompts[i] + ids[i] for i in active], tok.pad_token_id, device)
@@ -261,6 +264,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
         still = []
         for row, i in enumerate(active):
             new = turn_tokens(out[row].tolist(), tok, stops, stop_strings)
+            cut[i] = cut[i] or len(new) == out.shape[1] == sampling.max_new_tokens and new[-1] not in ends_at
             text = tok.decode(new, skip_special_tokens=True).strip()
             observation, done, info = envs[i].step(text)
             ids[i] += new
@@ -279,7 +283,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
     p_ids, p_attn = left_pad(prompts, tok.pad_token_id, device)
     texts = [tok.decode(r, skip_special_tokens=True).strip() for r in ids]
     batch = Rollout(p_ids, p_attn, completion_ids, mask, None, None, texts, completion_attn=attn,
-                    share_prefix=sampling.shared_prefix)
+                    share_prefix=sampling.shared_prefix, truncated=torch.tensor(cut, device=device))
     return score_logprobs(batch, models, sampling, record_old_logp), infos, turns
 
 

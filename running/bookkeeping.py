@@ -20,7 +20,7 @@ import kl
 import logprobs
 import rollout
 import update
-from running import checkpoint, distributed, evaluate, monitor, report
+from running import checkpoint, config, distributed, evaluate, monitor, report
 
 if TYPE_CHECKING:
     from running.session import Run
@@ -143,6 +143,24 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     return bool(state.stopped or state.early_stopped)
 
 
+def say_once(run: Run, row: dict) -> None:
+    """The silent no-ops users keep reporting, said once in plain words at the step they happen:
+    every completion cut at the token limit (TRL #5697: too short a limit, and reward, loss and
+    grad_norm sit at 0), and every group of one reward (TRL #3452: the advantages are all 0,
+    every ratio is 1 in the first epoch, so the loss is 0 and nothing is learned)."""
+    step, cfg = row["step"], run.cfg
+    if row.get("completions/clipped_ratio") == 1.0 and "all_clipped" not in run.said:
+        run.said.add("all_clipped")
+        run.warn(f"step {step}: every completion was cut at --max-new-tokens {config.new_tokens(cfg)} before it "
+                 f"ended (no EOS, no stop string): their rewards say little and the policy never learns to stop; "
+                 f"raise --max-new-tokens (said once; completions/clipped_ratio in metrics.jsonl)")
+    if row.get("frac_zero_std_groups") == 1.0 and "one_reward" not in run.said:
+        run.said.add("one_reward")
+        run.warn(f"step {step}: every group's {cfg.k} samples got the same reward, so every advantage is 0 and "
+                 f"this step teaches nothing (a loss of 0 here is expected, not a bug) (said once; "
+                 f"frac_zero_std_groups in metrics.jsonl)")
+
+
 def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
     """After a step: move beta, count the step (updates, collapses, skips) into the row and
     the run's state, raise the monitor's alerts; return why the run must stop, or None."""
@@ -159,6 +177,7 @@ def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
         run.log(f"step {step}: dynamic sampling: in every one of {row['sampling_rounds']} rounds of {cfg.batch} "
                 f"prompts, each prompt's {cfg.k} samples got the same reward, so no group could teach "
                 f"anything; no update this step (said once; update_skipped in metrics.jsonl marks each such step)")
+    say_once(run, row)
     if stats["nonfinite"] == ["logits"]:
         run.log(f"step {step}: non-finite logits: nothing could be sampled, step skipped "
                 f"({state.skipped} so far, --max-skips {cfg.max_skips})")

@@ -18,6 +18,12 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               taken): token means over the last epoch; approx_kl =
                               E[(ratio - 1) - log ratio]; loss and grad_norm are means over
                               the last epoch's mini-batches, grad_norm before clipping
+    completions/mean_length, completions/min_length, completions/max_length   policy tokens per
+                              rollout (TRL's names, as every completions/ metric here)
+    completions/mean_terminated_length   the mean length of the rollouts that ended (sampled EOS or
+                              a stop string), null when none did
+    completions/clipped_ratio  the share of rollouts cut at --max-new-tokens (a tool episode: any
+                              of its turns) before they ended; 1.0 is said once in the log
     clip_frac_low, clip_frac_high   the share of policy tokens whose ratio was held at its lower /
                               upper bound (clip: r < 1 - eps_low with A < 0 / r > 1 + eps_high
                               with A > 0; dual-clip's cap counts as high; cispo: r > its cap;
@@ -110,6 +116,7 @@ def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
     ppo_critic = hp.algo == "ppo" and batch.returns is not None
     p = distributed.concat(dict(
         rewards=batch.rewards, outcomes=list(outcomes), seq_adv=batch.sequence_advantages(),   # (N,)
+        lengths=mask.sum(1), truncated=batch.truncated,                                        # (N,)
         adv=batch.advantages[mask] if batch.advantages.dim() == 2 else batch.advantages,       # the loss's
         kl=kl_t[mask] if kl_t is not None else None,                                 # (policy tokens,)
         values=batch.old_values[mask] if ppo_critic else None,
@@ -123,10 +130,24 @@ def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
                adv_abs_mean=p["adv"].abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(p["adv"]),
                frac_adv_negative=(p["seq_adv"] < 0).float().mean().item(),
                kl=p["kl"].mean().item() if p["kl"] is not None else None, kl_coef=hp.beta)
+    row.update(completion_lengths(p["lengths"], p["truncated"]))
     if ppo_critic and finite.all():
         row["explained_variance"] = ppo.explained_variance(p["values"], p["returns"],
                                                            torch.ones_like(p["values"]))
     return row
+
+
+def completion_lengths(lengths: torch.Tensor, truncated: torch.Tensor | None) -> dict:
+    """TRL's completion-length metrics: policy tokens per rollout (mean, min, max), the mean
+    length of the rollouts that ended (EOS or a stop string), and the share cut at the limit."""
+    lengths = lengths.float()                                                        # (N,)
+    out = {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+           "completions/max_length": lengths.max().item()}
+    if truncated is not None:
+        ended = lengths[~truncated.bool()]
+        out["completions/mean_terminated_length"] = ended.mean().item() if len(ended) else None
+        out["completions/clipped_ratio"] = truncated.float().mean().item()
+    return out
 
 
 def no_rollout(task) -> dict:

@@ -47,9 +47,10 @@ ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
 # issue 18's answer NLL at each held-out evaluation; issue 17's task difficulty of each step.
 # Issue 33's update_skipped, the reason a step took no update (null when it took one).
 # Issue 34's eval_one_answer, the share of held-out samples that are the commonest one; issue
-# 35's clip_frac_low / clip_frac_high, clip_frac split by side.
+# 35's clip_frac_low / clip_frac_high, clip_frac split by side, and TRL's completion lengths.
 MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty", "update_skipped", "eval_one_answer",
-                  "clip_frac_low", "clip_frac_high"}
+                  "clip_frac_low", "clip_frac_high", "completions/mean_length", "completions/min_length",
+                  "completions/max_length", "completions/mean_terminated_length", "completions/clipped_ratio"}
 
 
 def run(name: str, tmp: Path) -> list[dict]:

@@ -1,0 +1,62 @@
+"""The diagnostics users look for, named as TRL names them (running/report.py), and the two
+silent no-ops said once, in plain words, at the step they happen."""
+import json
+
+import pytest
+import torch
+
+import grpo
+import logprobs
+import update
+from conftest import quick, synthetic_batch, tiny_model
+from running import report
+
+
+def test_completion_lengths_against_a_hand_count():
+    lengths = torch.tensor([3, 6, 6, 1])
+    truncated = torch.tensor([False, True, True, False])
+    out = report.completion_lengths(lengths, truncated)
+    assert out == {"completions/mean_length": 4.0, "completions/min_length": 1.0, "completions/max_length": 6.0,
+                   "completions/mean_terminated_length": 2.0, "completions/clipped_ratio": 0.5}
+    assert report.completion_lengths(lengths, torch.ones(4, dtype=torch.bool))["completions/mean_terminated_length"] is None
+
+
+@pytest.mark.lesson
+def test_loss_is_zero_when_every_ratio_is_one_and_advantages_are_centred():
+    """TRL #3452, "loss is 0": in the first epoch every ratio is 1, so GRPO's loss is
+    -sum_i A_i * (tokens of i) / tokens, and with centred advantages and equal lengths that is 0;
+    the gradient, A_i * grad log p, is not."""
+    model = tiny_model(1)
+    batch = synthetic_batch(model, n=4)
+    batch.completion_mask = torch.ones_like(batch.completion_mask)       # equal lengths
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])               # centred
+    batch.old_logp, batch.ref_logp = None, None                           # --fast: old = this forward's
+    hp = grpo.HyperParams(mini_batch=4, micro_batch=4, k=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = update.update(logprobs.Scorer(model), opt, batch, hp, grpo.loss)
+    assert stats["loss"] == pytest.approx(0.0, abs=1e-7)
+    assert stats["grad_norm"] > 1e-3, "zero loss, but a real gradient"
+
+
+def test_a_run_whose_completions_are_all_cut_says_so_once(tmp_path, capsys):
+    """--max-new-tokens 1: nothing can end (TRL #5697); said once, at step 1, and every
+    step's completions/clipped_ratio is 1."""
+    from running import config
+    import train
+    train.train(config.parse_config(quick(tmp_path, "cut", "--max-new-tokens", "1")))
+    err = capsys.readouterr().err
+    assert err.count("every completion was cut at --max-new-tokens 1") == 1 and "step 1:" in err
+    rows = [json.loads(line) for line in open(tmp_path / "cut" / "metrics.jsonl")][1:]
+    assert all(r["completions/clipped_ratio"] == 1.0 and r["completions/max_length"] == 1 for r in rows)
+
+
+def test_a_step_whose_every_group_has_one_reward_says_so_once(tmp_path, capsys):
+    from running import config
+    import train
+    train.train(config.parse_config(quick(tmp_path, "flat", "--steps", "4")))
+    rows = [json.loads(line) for line in open(tmp_path / "flat" / "metrics.jsonl")][1:]
+    err = capsys.readouterr().err
+    flat = [r["step"] for r in rows if r["frac_zero_std_groups"] == 1.0]
+    assert len(flat) >= 2, "this tiny, barely warmed-up model writes one thing per prompt (the premise)"
+    assert err.count("got the same reward, so every advantage is 0") == 1
+    assert f"step {flat[0]}: every group's" in err
