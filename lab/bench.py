@@ -6,6 +6,7 @@
     python -m lab.bench logprobs                            # peak extra memory of logprobs.token_logprobs
     python -m lab.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
     python -m lab.bench bf16                                # is bf16 faster than float32 on this machine?
+    python -m lab.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
 
 The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
@@ -276,12 +277,41 @@ def worker(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.worker == "logprobs":
         return run_logprobs(tuple(map(int, args.shape.split(","))), args.dtype, args.how)
+    if args.worker == "warmstart":
+        return run_warmstart(args.model, args.task, args.steps, args.warm_micro)
     cfg = REAL if args.model else CONFIGS[args.config]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker == "trl":
         return run_trl(cfg, args.steps, args.bf16, device, args.model)
     return run_ours(cfg, args.steps, args.bf16, not args.plain, device, args.model, not args.no_shared_prefix,
                     args.task)
+
+
+def run_warmstart(model_name: str, task_name: str, steps: int, micro: int) -> dict:
+    """Peak RSS (VmHWM) after loading the real model, and after `steps` warm-start steps of the
+    real default (8 examples, lr 1e-4) with `micro` examples per forward (0: the whole batch
+    through model(labels=...)); and their seconds."""
+    from models import policy
+    model, tok = build({}, model_name)
+    loaded = rss_mb("VmHWM")
+    t0 = time.perf_counter()
+    warm = dataclasses.replace(policy.WARM_START["real"], steps=steps, micro_batch=micro)
+    losses = policy.warm_start(real_task(task_name), model, tok, warm)
+    return dict(loaded_mb=loaded, peak_mb=rss_mb("VmHWM"), seconds=time.perf_counter() - t0, losses=losses)
+
+
+def warmstart_report(args) -> None:
+    cmd = [sys.executable, "-m", "lab.bench", "--worker", "warmstart", "--model", args.model, "--task", args.task,
+           "--steps", str(args.steps), "--warm-micro", str(args.warm_micro)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        sys.exit(f"python -m lab.bench: the warm-start run failed:\n{out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    how = "the whole batch through model(labels=...)" if args.warm_micro == 0 else \
+        f"{args.warm_micro} example(s) per forward, the LM head at the trained positions only"
+    print(f"{args.model} {args.task}: {args.steps} warm-start steps of 8 examples, {how}: peak RSS "
+          f"{r['peak_mb']:.0f} MB (after loading: {r['loaded_mb']:.0f} MB), {r['seconds']:.1f} s, losses "
+          + ", ".join(f"{x:.4f}" for x in r["losses"]))
 
 
 def bf16_report(args) -> None:
@@ -324,7 +354,7 @@ def summarise(run: dict, warmup: int) -> dict:
 def main(argv=None):
     p = config.OneLineParser(prog="python -m lab.bench", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16"))
+    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16", "warmstart"))
     p.add_argument("--model", default="", help="a real model (train.py --model) instead of --config")
     p.add_argument("--config", default="tiny", choices=tuple(CONFIGS))
     p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
@@ -340,7 +370,9 @@ def main(argv=None):
                         "episodes (its own reward; not with --vs-trl)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run; 0 = torch's default")
     p.add_argument("--json", default="", help="also write the figures to this file")
-    p.add_argument("--worker", choices=("ours", "trl", "logprobs"), help=argparse.SUPPRESS)
+    p.add_argument("--warm-micro", type=int, default=1, help="warmstart: examples per forward; 0 = the whole "
+                   "batch through model(labels=...), the path before issue 34")
+    p.add_argument("--worker", choices=("ours", "trl", "logprobs", "warmstart"), help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     p.add_argument("--how", help=argparse.SUPPRESS)
@@ -348,7 +380,7 @@ def main(argv=None):
     if args.worker:
         print(json.dumps(worker(args)))
         return
-    if not 0 <= args.warmup < args.steps:
+    if not 0 <= args.warmup < args.steps and args.what == "step":
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):      # 100000 threads crash torch itself
         p.error(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default; 4x the "
@@ -362,6 +394,15 @@ def main(argv=None):
         return logprobs_report(args)
     if args.what == "bf16":
         return bf16_report(args)
+    if args.what == "warmstart":
+        if not args.model:
+            p.error("warmstart needs --model (the tiny model's warm start is small)")
+        if args.warm_micro < 0:
+            p.error(f"--warm-micro must be >= 0, got {args.warm_micro}")
+        problem = checks.validate_model(args.model)
+        if problem:
+            p.error(f"--model: {problem}")
+        return warmstart_report(args)
     if args.task == "tools" and not args.model:
         p.error("--task tools needs --model (the --config shapes have no tool task)")
     if args.task == "tools" and args.vs_trl:
