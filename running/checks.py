@@ -3,6 +3,7 @@ exit code 2 (running/config.py's parse_config calls `validate`). Also what a run
 model folder and a seed must look like, and the default name of a run's folder.
 """
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
@@ -72,6 +73,8 @@ def validate(cfg):
     need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
     cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
     policy_loss_checks(cfg, need)
+    need(not cfg.tensorboard or has_tensorboard(), "tensorboard",
+         "needs the tensorboard package, an optional dependency: pip install tensorboard==2.21.0")
     need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
     need(0 <= cfg.clip_eps_high <= 100, "clip-eps-high", f"must be in [0, 100] (0 = --clip-eps), got {cfg.clip_eps_high}")
     need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")
@@ -210,7 +213,13 @@ USED_BY = {
 }
 
 
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints")
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
+             "tensorboard")
+
+
+def has_tensorboard() -> bool:
+    """Whether the optional tensorboard package is installed (--tensorboard needs it)."""
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def holds_run(folder: Path) -> str | None:

@@ -147,6 +147,8 @@ class Config:
     out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}, with a "
                        "-2, -3 ... suffix when that one holds a run already")
     overwrite: bool = opt(False, "replace the run already in --out (its logs, summary, curves and checkpoints)")
+    tensorboard: bool = opt(False, "also write every metric as a TensorBoard scalar into OUT/tensorboard/ "
+                            "(needs the optional `pip install tensorboard`); metrics.jsonl stays the record")
     log_samples: int = opt(4, "completions per step written to samples.jsonl")
     quiet: bool = opt(False, "no progress line")
     # surviving failures (checkpoint.py, monitor.py)

@@ -251,3 +251,30 @@ def peak_memory_mb() -> float:
     if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
         return torch.cuda.max_memory_allocated() / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024          # KiB on Linux
+
+
+# ---- TensorBoard, when asked (--tensorboard; an optional dependency) ----
+
+class TensorBoardMirror:
+    """metrics.jsonl, and each row's numbers also as TensorBoard scalars at its step, under
+    OUT/tensorboard/ (`tensorboard --logdir OUT/tensorboard`). The JSON lines stay the record;
+    a key with a slash (completions/mean_length) groups in TensorBoard as TRL's do."""
+
+    def __init__(self, log, folder: Path):
+        from torch.utils.tensorboard import SummaryWriter      # needs `pip install tensorboard`
+        self.log, self.writer = log, SummaryWriter(str(folder))
+        self.lost, self.full = log.lost, log.full
+
+    def write(self, row: dict) -> None:
+        self.log.write(row)
+        self.lost, self.full = self.log.lost, self.log.full
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" \
+                    and math.isfinite(value):
+                self.writer.add_scalar(key, value, row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.log.close()
+

@@ -273,6 +273,8 @@ def start(cfg: Config, out: Path) -> Run:
                                                          **({"init_from_checkpoint": init} if init else {})), indent=2))
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
+    if cfg.tensorboard and main:                     # the metrics mirrored for TensorBoard
+        logs[0] = report.TensorBoardMirror(logs[0], out / "tensorboard")
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
               prompts_of(task, cfg), *logs, log, started,
               warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))

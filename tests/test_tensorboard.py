@@ -1,0 +1,53 @@
+"""--tensorboard: every number of metrics.jsonl also a TensorBoard scalar at its step, the
+JSON lines unchanged; without the optional package, one line and exit 2 before any work."""
+import json
+import sys
+import types
+
+import pytest
+
+from conftest import quick
+from running import checks
+
+
+class FakeWriter:
+    """torch.utils.tensorboard.SummaryWriter's three calls, recorded."""
+    made = []
+
+    def __init__(self, folder):
+        self.folder, self.scalars, self.closed = folder, [], False
+        FakeWriter.made.append(self)
+
+    def add_scalar(self, key, value, step):
+        self.scalars.append((key, value, step))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_tensorboard_mirrors_every_number_of_metrics_jsonl(tmp_path, monkeypatch):
+    from running import config
+    import train
+    monkeypatch.setattr(checks, "has_tensorboard", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard")))
+    writer = FakeWriter.made[-1]
+    assert writer.folder == str(tmp_path / "tb" / "tensorboard") and writer.closed
+    rows = [json.loads(line) for line in open(tmp_path / "tb" / "metrics.jsonl")]
+    expected = [(k, v, r["step"]) for r in rows for k, v in r.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"]
+    assert writer.scalars == expected and ("completions/mean_length", rows[1]["completions/mean_length"], 1) in expected
+
+
+def test_without_the_package_tensorboard_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from running import config
+    monkeypatch.setattr(checks, "has_tensorboard", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(quick(tmp_path, "tb", "--tensorboard"))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == ("train.py: error: --tensorboard: needs the tensorboard package, an "
+                                         "optional dependency: pip install tensorboard==2.21.0")
+    assert not (tmp_path / "tb").exists()
