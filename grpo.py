@@ -69,6 +69,11 @@ class HyperParams:
     sapo_tau_pos: float = 1.0        # sapo: the gate's temperature for A > 0
     sapo_tau_neg: float = 1.05       # sapo: ... and for A < 0
     gmpo_delta: float = 0.4          # gmpo: each log-ratio clipped to [-delta, delta]
+    cov_ratio: float = 2e-4          # clip-cov, kl-cov: the share of tokens they touch
+    clip_cov_lb: float = 1.0         # clip-cov: candidates have lb < cov < ub
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = 1.0         # kl-cov: the penalty's weight
+    top_entropy_quantile: float = 1.0   # the policy-gradient loss only on this top share of tokens by entropy
     beta: float = 0.0                # KL coefficient (this step's, kl.py)
     kl_estimator: str = "k3"         # kl.estimate's k1 | k2 | k3
     entropy_coef: float = 0.0        # entropy bonus (this step's)
@@ -192,6 +197,8 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     else:                       # the 2025-26 objectives (surrogates.py), token ratios
         per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp)
         clipped = low | high
+    if hp.top_entropy_quantile < 1:             # 80/20: the policy gradient on the forking tokens only
+        per_token = per_token * surrogates.high_entropy_mask(entropy, mask, hp.top_entropy_quantile)
     sums = {}
     if rows.ref_logp is not None:
         kl_t = kl.estimate(logp, rows.ref_logp, hp.kl_estimator)                # (n, C)

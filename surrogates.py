@@ -21,6 +21,12 @@ sequence's advantage, or the token's for PPO):
                sequence, each log-ratio clipped to [-delta, delta] on the side the advantage
                pushes (delta = 0.4, i.e. r in (e^-0.4, e^0.4)): one outlier token cannot swing
                the sequence's weight as it swings an arithmetic mean             verl "geo_mean"
+    clip-cov   PPO's clip, and a few random tokens of high covariance between advantage and
+               log-prob taken out of the gradient                                verl "clip_cov"
+    kl-cov     no clip; the top tokens by that covariance pay coef * |log r|      verl "kl_cov"
+
+and, with any of them, --top-entropy-quantile 0.2 trains only the 20% of tokens of highest
+entropy (TRL's top_entropy_quantile, the "80/20" of Wang et al. 2025).
 
 Each function below returns the per-token loss (n, C) that grpo.aggregate averages, and the
 tokens where a bound bit, split by side (low: the ratio under its lower bound, high: over its
@@ -31,7 +37,7 @@ dual-clip bounds the loss of a negative-advantage token whose ratio explodes.
 """
 import torch
 
-POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo")
+POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo", "clip-cov", "kl-cov")
 
 
 def advantage_per_token(adv: torch.Tensor) -> torch.Tensor:
@@ -117,10 +123,78 @@ def gmpo(logp, old_logp, adv, mask, delta: float):
     return loss, bit & (sign < 0), bit & (sign > 0)
 
 
+# ---- the few tokens that drive the entropy down (Cui et al. 2025, "The Entropy Mechanism of RL") ----
+
+def token_covariance(logp, adv, mask):
+    """cov_it = (A_it - mean A) (log pi_it - mean log pi), means over the policy tokens: a
+    token whose log-prob is high where its advantage is high pushes the entropy down when
+    trained on; a few such tokens carry most of the collapse."""
+    a = advantage_per_token(adv).expand_as(logp)
+    m = mask.bool()
+    return (a - a[m].mean()) * (logp.detach() - logp.detach()[m].mean())                # (n, C)
+
+
+def clip_cov(ratio, logp, adv, mask, hp):
+    """Clip-Cov: PPO's clip, and a few tokens of high covariance taken out of the gradient.
+
+        candidates: policy tokens PPO did not clip with lb < cov_it < ub
+        chosen:     max(1, int(ratio * tokens)) of them at random -> loss_it = 0 (no gradient)
+
+    (verl's clip_cov, its defaults ratio 2e-4, lb 1, ub 5.) The chosen tokens count as high."""
+    a = advantage_per_token(adv).expand_as(logp)
+    loss, low, high = ppo_clip(ratio, adv, hp.clip_low, hp.clip_high)
+    clipped_by_ppo = (-a * ratio.clamp(1 - hp.clip_low, 1 + hp.clip_high) > -a * ratio) & mask.bool()
+    cov = token_covariance(logp, adv, mask)
+    cov[mask == 0] = -torch.inf
+    cov[clipped_by_ppo] = -torch.inf
+    candidates = torch.nonzero((cov > hp.clip_cov_lb) & (cov < hp.clip_cov_ub) & mask.bool())  # (k, 2)
+    keep = torch.ones_like(loss)
+    n_clip = max(int(hp.cov_ratio * mask.sum().item()), 1)
+    if len(candidates):
+        chosen = candidates[torch.randperm(len(candidates))[:n_clip]]
+        keep[chosen[:, 0], chosen[:, 1]] = 0
+    return loss * keep, low, high | (keep == 0)
+
+
+def kl_cov(ratio, logp, old_logp, adv, mask, hp):
+    """KL-Cov: no clip; the top max(1, int(ratio * tokens)) tokens by covariance pay a KL penalty
+    to the sampling policy instead of being free to move:
+
+        loss_it = -r A                              most tokens
+        loss_it = -r A + coef |log r|               the highest-covariance ones (high)
+
+    (verl's kl_cov, its defaults ratio 2e-4, coef 1.)"""
+    a = advantage_per_token(adv).expand_as(logp)
+    loss = -a * ratio
+    penalised = torch.zeros_like(mask, dtype=torch.bool)
+    valid = mask.bool()
+    cov = token_covariance(logp, adv, mask)[valid]                                     # (tokens,)
+    k = max(1, int(len(cov) * hp.cov_ratio))
+    rows, cols = torch.nonzero(valid, as_tuple=True)
+    top = torch.topk(cov, min(k, len(cov))).indices
+    penalised[rows[top], cols[top]] = True
+    loss = torch.where(penalised, loss + hp.kl_cov_coef * (logp - old_logp).abs(), loss)
+    return loss, torch.zeros_like(penalised), penalised
+
+
+# ---- 80/20: train only on the forking tokens ----
+
+def high_entropy_mask(entropy, mask, quantile: float):
+    """(n, C) 1 on the policy tokens whose entropy is in the top `quantile` of this
+    micro-batch's (TRL's top_entropy_quantile; Wang et al. 2025: the 20% highest-entropy
+    tokens, the forks where the model chooses, carry the learning). quantile 1 keeps every
+    token. TRL takes the quantile over every process's tokens; here, over this rank's."""
+    values = entropy.detach()[mask.bool()]
+    if quantile >= 1 or len(values) == 0:
+        return mask.to(entropy.dtype)
+    threshold = torch.quantile(values.float(), 1 - quantile)
+    return ((entropy.detach() >= threshold) & mask.bool()).to(entropy.dtype)
+
+
 def policy_gradient_loss(logp, old_logp, adv, mask, hp):
     """The per-token policy-gradient loss (n, C) of hp.policy_loss, and where its bounds bit
     (low, high), (n, C) bool each. hp: grpo.HyperParams (its clip_low/clip_high, dual_clip_c,
-    cispo_max, sapo_tau_pos/neg, gmpo_delta). 'clip' with the sequence ratio is GSPO's
+    cispo_max, sapo_tau_pos/neg, gmpo_delta, cov_ratio, clip_cov_lb/ub, kl_cov_coef). 'clip' with the sequence ratio is GSPO's
     (grpo.importance_ratio); the others take the token ratio."""
     ratio = torch.exp(logp - old_logp)                                           # (n, C)
     if hp.policy_loss == "dual-clip":
@@ -131,4 +205,8 @@ def policy_gradient_loss(logp, old_logp, adv, mask, hp):
         return sapo(ratio, adv, hp.sapo_tau_pos, hp.sapo_tau_neg)
     if hp.policy_loss == "gmpo":
         return gmpo(logp, old_logp, adv, mask, hp.gmpo_delta)
+    if hp.policy_loss == "clip-cov":
+        return clip_cov(ratio, logp, adv, mask, hp)
+    if hp.policy_loss == "kl-cov":
+        return kl_cov(ratio, logp, old_logp, adv, mask, hp)
     raise ValueError(f"unknown --policy-loss {hp.policy_loss!r}; expected one of {POLICY_LOSSES}")

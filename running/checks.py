@@ -174,28 +174,39 @@ def validate(cfg):
 # --dynamic-sampling, --critic, --critic-lr and RCE's --beta have checks of their own above,
 # which say why; --kl-estimator and --kl-in act only with --beta > 0, which RCE refuses.
 # each 2025-26 objective's own knob, and the objective that reads it (surrogates.py)
-KNOB_OF = {"dual_clip_c": "dual-clip", "cispo_max": "cispo", "sapo_tau_pos": "sapo", "sapo_tau_neg": "sapo",
-           "gmpo_delta": "gmpo"}
+KNOB_OF = {"dual_clip_c": ("dual-clip",), "cispo_max": ("cispo",), "sapo_tau_pos": ("sapo",),
+           "sapo_tau_neg": ("sapo",), "gmpo_delta": ("gmpo",), "cov_ratio": ("clip-cov", "kl-cov"),
+           "kl_cov_coef": ("kl-cov",)}
 
 
 def policy_loss_checks(cfg, need) -> None:
     """--policy-loss and its knobs: positive values; a knob only with its objective; the
     objectives that take a token ratio not with GSPO's sequence ratio; GMPO's one weight per
     sequence not with PPO's per-token advantages."""
-    for name, loss in KNOB_OF.items():
+    for name, losses in KNOB_OF.items():
         flag, value = name.replace("_", "-"), getattr(cfg, name)
         default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
         need(value > (1 if name == "dual_clip_c" else 0), flag,
              f"must be > {1 if name == 'dual_clip_c' else 0}, got {value}")
-        need(cfg.policy_loss == loss or value == default, flag,
-             f"only --policy-loss {loss} reads it; --policy-loss {cfg.policy_loss} would ignore it")
+        need(cfg.policy_loss in losses or value == default, flag,
+             f"only --policy-loss {' and '.join(losses)} {'reads' if len(losses) == 1 else 'read'} it; "
+             f"--policy-loss {cfg.policy_loss} would ignore it")
+    need(cfg.cov_ratio <= 1, "cov-ratio", f"is a share of the tokens, at most 1, got {cfg.cov_ratio}")
+    for name in ("clip_cov_lb", "clip_cov_ub"):
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        need(cfg.policy_loss == "clip-cov" or getattr(cfg, name) == default, name.replace("_", "-"),
+             f"only --policy-loss clip-cov reads it; --policy-loss {cfg.policy_loss} would ignore it")
+    need(cfg.clip_cov_lb < cfg.clip_cov_ub, "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), "
+         f"got {cfg.clip_cov_lb}: no token could be chosen")
+    need(0 < cfg.top_entropy_quantile <= 1, "top-entropy-quantile",
+         f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}")
     need(cfg.policy_loss == "clip" or cfg.ratio_level == "token", "policy-loss",
          f"{cfg.policy_loss} weighs each token by its own ratio; --ratio-level sequence is GSPO's clip, "
          f"not a ratio the others take")
-    knob = "/--".join(name.replace("_", "-") for name, loss in KNOB_OF.items() if loss == cfg.policy_loss)
+    knob = "/--".join(name.replace("_", "-") for name, losses in KNOB_OF.items() if cfg.policy_loss in losses)
     for name in ("clip_eps", "clip_eps_high"):
         default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
-        need(cfg.policy_loss in ("clip", "dual-clip") or getattr(cfg, name) == default, name.replace("_", "-"),
+        need(cfg.policy_loss in ("clip", "dual-clip", "clip-cov") or getattr(cfg, name) == default, name.replace("_", "-"),
              f"bounds PPO's clip; --policy-loss {cfg.policy_loss} has its own knob (--{knob})")
     need(cfg.policy_loss != "gmpo" or cfg.algo == "grpo", "policy-loss",
          f"gmpo weighs a sequence by one advantage; --algo {cfg.algo} gives "
@@ -205,7 +216,7 @@ def policy_loss_checks(cfg, need) -> None:
 USED_BY = {
     "norm": ("grpo",), "unbiased": ("grpo",), "adv_clip": ("grpo",),     # GRPO's advantages; PPO: GAE
     "clip_eps": ("grpo", "ppo"), "clip_eps_high": ("grpo", "ppo"),        # RCE has no ratio
-    "policy_loss": ("grpo", "ppo"),
+    "policy_loss": ("grpo", "ppo"), "top_entropy_quantile": ("grpo", "ppo"),
     "loss_agg": ("grpo", "ppo"), "target_kl": ("grpo", "ppo"),            # RCE: its own mean, no approx_kl
     "entropy_coef": ("grpo", "ppo"), "entropy_coef_end": ("grpo", "ppo"), # RCE's loss has no entropy term
     "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",), "value_clip": ("ppo",),   # the critic's

@@ -82,6 +82,13 @@ class Config:
     sapo_tau_neg: float = opt(GRPO.sapo_tau_neg, "--policy-loss sapo: the gate's temperature for A < 0 (> 0)")
     gmpo_delta: float = opt(GRPO.gmpo_delta, "--policy-loss gmpo: each token's log-ratio clipped to [-delta, delta] "
                             "(> 0); unless given, --loss-agg seq-mean-token-mean")
+    cov_ratio: float = opt(GRPO.cov_ratio, "--policy-loss clip-cov / kl-cov: the share of tokens, by covariance of "
+                           "advantage and log-prob, they detach / penalise (> 0, <= 1)")
+    clip_cov_lb: float = opt(GRPO.clip_cov_lb, "--policy-loss clip-cov: a candidate's covariance above this ...")
+    clip_cov_ub: float = opt(GRPO.clip_cov_ub, "--policy-loss clip-cov: ... and below this")
+    kl_cov_coef: float = opt(GRPO.kl_cov_coef, "--policy-loss kl-cov: the weight of |log ratio| on the chosen tokens (> 0)")
+    top_entropy_quantile: float = opt(GRPO.top_entropy_quantile, "the policy-gradient loss only on the tokens whose "
+                                      "entropy is in this top share (0, 1] of a micro-batch's (0.2: the 80/20 rule; TRL's name)")
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
     min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
@@ -217,7 +224,9 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
         fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
         policy_loss=cfg.policy_loss, dual_clip_c=cfg.dual_clip_c, cispo_max=cfg.cispo_max,
-        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, gmpo_delta=cfg.gmpo_delta, seed=cfg.seed)
+        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, gmpo_delta=cfg.gmpo_delta,
+        cov_ratio=cfg.cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub, kl_cov_coef=cfg.kl_cov_coef,
+        top_entropy_quantile=cfg.top_entropy_quantile, seed=cfg.seed)
     if cfg.algo == "ppo":
         return ppo.PPOParams(**common, gamma=cfg.gamma, lam=cfg.lam, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
     if cfg.algo == "rce":

@@ -59,6 +59,43 @@ def verl_geo_mean(old_log_prob, log_prob, advantages, mask, low, high):
     return torch.mean(-advantage * ratio)
 
 
+def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, low, high, clip_cov_ratio, lb, ub):
+    ratio = torch.exp(log_prob - old_log_prob)
+    pg_losses1 = -advantages * ratio
+    corr = torch.ones_like(advantages)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
+    masked_mean = lambda x: (x * response_mask).sum() / response_mask.sum()
+    cov_all = (advantages - masked_mean(advantages)) * (log_prob - masked_mean(log_prob.detach()))
+    cov_all[response_mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
+    top_k_idx = torch.nonzero((cov_all < ub) & (cov_all > lb) & (response_mask > 0))
+    if len(top_k_idx) > 0:
+        perm = torch.randperm(len(top_k_idx))
+        top_k_idx = top_k_idx[perm[: min(clip_num, len(top_k_idx))]]
+        corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    return token_mean(torch.maximum(pg_losses1, pg_losses2) * corr, response_mask)
+
+
+def verl_kl_cov(old_log_prob, log_prob, advantages, response_mask, kl_cov_ratio, ppo_kl_coef):
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses_kl = -advantages * ratio + ppo_kl_coef * negative_approx_kl.abs()
+    pg_losses = pg_losses1.clone()
+    all_valid = response_mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    adv_v = advantages[all_valid].detach().reshape(-1)
+    logp_v = log_prob[all_valid].detach().reshape(-1)
+    cov = (adv_v - adv_v.mean()) * (logp_v - logp_v.mean())
+    k = max(1, int(len(cov) * kl_cov_ratio))
+    idx = all_valid_idx[torch.topk(cov, k, largest=True).indices]
+    c = advantages.shape[1]
+    pg_losses[idx // c, idx % c] = pg_losses_kl[idx // c, idx % c]
+    return token_mean(pg_losses, response_mask)
+
+
 def ours(name, logp, old, adv, mask, **knobs):
     hp = grpo.HyperParams(mini_batch=6, micro_batch=6, policy_loss=name, **knobs)
     loss, low, high = surrogates.policy_gradient_loss(logp, old, adv, mask, hp)
@@ -72,12 +109,17 @@ def ours(name, logp, old, adv, mask, **knobs):
     ("cispo", trl_cispo, dict(cispo_max=1.3), (1.3,)),
     ("sapo", verl_sapo, dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05), (1.0, 1.05)),
     ("gmpo", verl_geo_mean, dict(gmpo_delta=0.4), (0.4, 0.4)),
+    ("clip-cov", verl_clip_cov, dict(clip_low=0.2, clip_high=0.2, cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=5.0),
+     (0.2, 0.2, 0.2, 0.0, 5.0)),
+    ("kl-cov", verl_kl_cov, dict(cov_ratio=0.2, kl_cov_coef=1.0), (0.2, 1.0)),
 ])
 def test_each_objective_equals_its_reference_in_value_and_gradient(name, reference, knobs, ref_args):
     for seed in range(3):
         logp, old, adv, mask = inputs(seed)
+        torch.manual_seed(seed)                        # clip-cov draws its tokens at random
         mine, _, _ = ours(name, logp, old, adv, mask, **knobs)
         (g_mine,) = torch.autograd.grad(mine, logp)
+        torch.manual_seed(seed)
         theirs = reference(old, logp, adv.unsqueeze(1).expand_as(logp), mask, *ref_args)
         (g_theirs,) = torch.autograd.grad(theirs, logp)
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
@@ -136,6 +178,42 @@ def test_gmpo_one_outlier_token_barely_moves_the_sequence_weight():
     assert high.tolist() == [[False] * 4 + [True]]
 
 
+@pytest.mark.lesson
+@pytest.mark.parametrize("name", ["clip-cov", "kl-cov"])
+def test_clip_cov_and_kl_cov_touch_only_the_highest_covariance_tokens(name):
+    """Their gradient differs from the plain one (PPO's clip; for KL-Cov, -r A) on the chosen
+    tokens alone, and those have the largest (A - mean A)(log pi - mean log pi)."""
+    logp, old, adv, mask = inputs(5, n=8, c=6)
+    hp = grpo.HyperParams(mini_batch=8, micro_batch=8, policy_loss=name, cov_ratio=0.1, clip_cov_lb=0.0)
+    torch.manual_seed(0)
+    loss, _, touched = surrogates.policy_gradient_loss(logp, old, adv, mask, hp)
+    plain = surrogates.ppo_clip(torch.exp(logp - old), adv, 0.2, 0.2)[0] if name == "clip-cov" else \
+        -adv.unsqueeze(1) * torch.exp(logp - old)
+    (g,) = torch.autograd.grad((loss * mask).sum(), logp)
+    (g_plain,) = torch.autograd.grad((plain * mask).sum(), logp)
+    differs = (g - g_plain).abs() > 1e-7
+    chosen = touched & mask.bool() & ~surrogates.ppo_clip(torch.exp(logp - old), adv, 0.2, 0.2)[2] \
+        if name == "clip-cov" else touched
+    assert differs.any() and not (differs & ~chosen).any(), "only the chosen tokens changed"
+    cov = surrogates.token_covariance(logp, adv, mask)
+    assert chosen.sum() == max(1, int(0.1 * mask.sum()))
+    if name == "kl-cov":                       # the top ones by covariance
+        assert cov[chosen].min() >= cov[mask.bool() & ~chosen].max()
+    else:                                      # drawn among the positive-covariance candidates
+        assert (cov[chosen] > 0).all()
+
+
+@pytest.mark.lesson
+def test_the_80_20_mask_trains_only_the_forking_tokens():
+    """--top-entropy-quantile 0.2: of ten policy tokens the two of highest entropy keep their
+    gradient; the eight near-certain ones get none."""
+    entropy = torch.tensor([[0.01, 0.02, 1.5, 0.03, 0.01], [0.02, 2.0, 0.01, 0.05, 0.02]])
+    mask = torch.ones(2, 5)
+    keep = surrogates.high_entropy_mask(entropy, mask, 0.2)
+    assert keep.tolist() == [[0, 0, 1, 0, 0], [0, 1, 0, 0, 0]]
+    assert surrogates.high_entropy_mask(entropy, mask, 1.0).tolist() == mask.tolist()
+
+
 def metrics(path):
     return [json.loads(line) for line in open(path / "metrics.jsonl")]
 
@@ -157,7 +235,10 @@ def clip_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags", [["--policy-loss", "dual-clip", "--dual-clip-c", "1.05"], ["--policy-loss", "cispo"],
-                                   ["--policy-loss", "sapo"], ["--policy-loss", "gmpo"]])
+                                   ["--policy-loss", "sapo"], ["--policy-loss", "gmpo"],
+                                   ["--policy-loss", "clip-cov", "--cov-ratio", "0.05"],
+                                   ["--policy-loss", "kl-cov", "--cov-ratio", "0.05"],
+                                   ["--top-entropy-quantile", "0.2"]])
 def test_each_policy_loss_trains_and_changes_only_the_update(flags, clip_run, tmp_path):
     """Five steps of two epochs with another objective: up to the first update the run is the
     clip run (the same rollouts), that update's loss differs, and every later step updates.
@@ -192,6 +273,11 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     (["--policy-loss", "sapo", "--ratio-level", "sequence"], "--policy-loss: sapo weighs each token by its own ratio"),
     (["--policy-loss", "gmpo", "--algo", "ppo"], "--policy-loss: gmpo weighs a sequence by one advantage; --algo ppo"),
     (["--policy-loss", "cispo", "--algo", "rce"], "--policy-loss: only --algo grpo and ppo use it"),
+    (["--top-entropy-quantile", "0"], "--top-entropy-quantile: is a share of the tokens, in (0, 1]"),
+    (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile: is a share of the tokens, in (0, 1]"),
+    (["--policy-loss", "kl-cov", "--cov-ratio", "-1"], "--cov-ratio: must be > 0"),
+    (["--policy-loss", "clip-cov", "--clip-cov-lb", "6"], "--clip-cov-lb: must be below --clip-cov-ub"),
+    (["--cov-ratio", "0.1"], "--cov-ratio: only --policy-loss clip-cov and kl-cov read it"),
 ])
 def test_bad_policy_loss_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
     from running import config
