@@ -41,6 +41,7 @@ import torch
 
 import advantages
 import kl
+import rewards
 import surrogates
 
 
@@ -74,6 +75,7 @@ class HyperParams:
     clip_cov_ub: float = 5.0
     kl_cov_coef: float = 1.0         # kl-cov: the penalty's weight
     top_entropy_quantile: float = 1.0   # the policy-gradient loss only on this top share of tokens by entropy
+    overlong_buffer: int = 0         # DAPO: the last this-many tokens before max_len cost up to -1; 0 = off
     beta: float = 0.0                # KL coefficient (this step's, kl.py)
     kl_estimator: str = "k3"         # kl.estimate's k1 | k2 | k3
     entropy_coef: float = 0.0        # entropy bonus (this step's)
@@ -94,12 +96,17 @@ class HyperParams:
 
 def prepare(batch, hp: HyperParams) -> None:
     """Fill batch.advantages (N,), one per sequence, from batch.rewards (N,) (advantages.py).
-    With the KL in the reward (--kl-in reward), each reward first pays for its sequence's KL:
+    With --overlong-buffer, each reward first pays DAPO's length penalty (rewards.py); with the
+    KL in the reward (--kl-in reward), for its sequence's KL:
 
         R_i <- R_i - beta * sum_t kl_it
-    """
+
+    batch.rewards itself stays the task's (reward_mean in metrics.jsonl is the task's reward)."""
     mask = batch.completion_mask                                                   # (N, C)
     r = batch.rewards                                                              # (N,)
+    if hp.overlong_buffer:        # DAPO: R_i <- R_i + min(0, ((L_max - L_buf) - |y_i|) / L_buf)
+        r = r + torch.tensor([rewards.overlong_penalty(int(n), hp.max_len, hp.overlong_buffer)
+                              for n in mask.sum(1).tolist()], dtype=r.dtype)
     if hp.kl_in_reward and batch.ref_logp is not None:
         kl_t = kl.estimate(batch.old_logp, batch.ref_logp, hp.kl_estimator)       # (N, C)
         r = r - hp.beta * (kl_t * mask).sum(1).cpu()

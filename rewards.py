@@ -193,3 +193,17 @@ def format_reward(episode: list, texts: list) -> float:
                 if any(t.get("answered") for t in episode):
                     stages = 4
     return stages / 4
+
+
+# ---- DAPO's overlong reward shaping ----
+
+def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0) -> float:
+    """DAPO's soft length penalty (verl's overlong_buffer, TRL's get_soft_overlong_punishment):
+
+        penalty = min(0, ((max_len - buffer) - length) / buffer) * factor
+
+    0 up to max_len - buffer tokens, then falling linearly to -factor at max_len: a completion
+    that runs into the limit is told so before it is cut, instead of being scored on a text
+    that stops mid-answer. length: the completion's policy tokens."""
+    return min(0.0, ((max_len - buffer) - length) / buffer) * factor
+

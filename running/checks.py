@@ -179,6 +179,17 @@ KNOB_OF = {"dual_clip_c": ("dual-clip",), "cispo_max": ("cispo",), "sapo_tau_pos
            "kl_cov_coef": ("kl-cov",)}
 
 
+def new_tokens(cfg) -> int:
+    """--max-new-tokens, 0 resolved: a real tokenizer spends more tokens on a tool call."""
+    return cfg.max_new_tokens or (64 if cfg.model and cfg.task == "tools" else 24)
+
+
+def completion_limit(cfg) -> int:
+    """The longest completion in policy tokens: one turn's limit, times the turns of a tool
+    episode (one more per benchmark beyond the first)."""
+    return new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1)
+
+
 def policy_loss_checks(cfg, need) -> None:
     """--policy-loss and its knobs: positive values; a knob only with its objective; the
     objectives that take a token ratio not with GSPO's sequence ratio; GMPO's one weight per
@@ -198,6 +209,8 @@ def policy_loss_checks(cfg, need) -> None:
              f"only --policy-loss clip-cov reads it; --policy-loss {cfg.policy_loss} would ignore it")
     need(cfg.clip_cov_lb < cfg.clip_cov_ub, "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), "
          f"got {cfg.clip_cov_lb}: no token could be chosen")
+    need(0 <= cfg.overlong_buffer < completion_limit(cfg), "overlong-buffer",
+         f"must be in [0, the completion limit {completion_limit(cfg)}) (0 = off), got {cfg.overlong_buffer}")
     need(0 < cfg.top_entropy_quantile <= 1, "top-entropy-quantile",
          f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}")
     need(cfg.policy_loss == "clip" or cfg.ratio_level == "token", "policy-loss",
@@ -216,7 +229,7 @@ def policy_loss_checks(cfg, need) -> None:
 USED_BY = {
     "norm": ("grpo",), "unbiased": ("grpo",), "adv_clip": ("grpo",),     # GRPO's advantages; PPO: GAE
     "clip_eps": ("grpo", "ppo"), "clip_eps_high": ("grpo", "ppo"),        # RCE has no ratio
-    "policy_loss": ("grpo", "ppo"), "top_entropy_quantile": ("grpo", "ppo"),
+    "policy_loss": ("grpo", "ppo"), "top_entropy_quantile": ("grpo", "ppo"), "overlong_buffer": ("grpo",),
     "loss_agg": ("grpo", "ppo"), "target_kl": ("grpo", "ppo"),            # RCE: its own mean, no approx_kl
     "entropy_coef": ("grpo", "ppo"), "entropy_coef_end": ("grpo", "ppo"), # RCE's loss has no entropy term
     "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",), "value_clip": ("ppo",),   # the critic's

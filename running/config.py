@@ -27,6 +27,7 @@ import rce
 from running import schedules
 import surrogates
 from running.checks import ConfigError, default_out, saved_fields, validate  # noqa: F401 (default_out: for importers)
+from running.checks import completion_limit, new_tokens  # noqa: F401 (new_tokens: for importers)
 import tasks
 
 
@@ -89,6 +90,8 @@ class Config:
     kl_cov_coef: float = opt(GRPO.kl_cov_coef, "--policy-loss kl-cov: the weight of |log ratio| on the chosen tokens (> 0)")
     top_entropy_quantile: float = opt(GRPO.top_entropy_quantile, "the policy-gradient loss only on the tokens whose "
                                       "entropy is in this top share (0, 1] of a micro-batch's (0.2: the 80/20 rule; TRL's name)")
+    overlong_buffer: int = opt(GRPO.overlong_buffer, "DAPO's overlong shaping: a completion longer than the token "
+                               "limit minus this many tokens loses up to 1 reward, linearly (rewards.overlong_penalty); 0 = off")
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
     min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
@@ -219,14 +222,14 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         kl_in_reward=cfg.kl_in_reward,
         clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, ratio_level=cfg.ratio_level,
         beta=cfg.beta, kl_estimator=kl_estimator(cfg), entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
-        max_len=new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1),
+        max_len=completion_limit(cfg),
         temperature=cfg.temperature,
         epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
         fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
         policy_loss=cfg.policy_loss, dual_clip_c=cfg.dual_clip_c, cispo_max=cfg.cispo_max,
         sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, gmpo_delta=cfg.gmpo_delta,
         cov_ratio=cfg.cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub, kl_cov_coef=cfg.kl_cov_coef,
-        top_entropy_quantile=cfg.top_entropy_quantile, seed=cfg.seed)
+        top_entropy_quantile=cfg.top_entropy_quantile, overlong_buffer=cfg.overlong_buffer, seed=cfg.seed)
     if cfg.algo == "ppo":
         return ppo.PPOParams(**common, gamma=cfg.gamma, lam=cfg.lam, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
     if cfg.algo == "rce":
@@ -239,11 +242,6 @@ def kl_estimator(cfg: Config) -> str:
     if cfg.kl_estimator != "auto":
         return cfg.kl_estimator
     return kl.REWARD_ESTIMATOR if cfg.kl_in_reward else kl.LOSS_ESTIMATOR
-
-
-def new_tokens(cfg: Config) -> int:
-    """--max-new-tokens, 0 resolved: a real tokenizer spends more tokens on a tool call."""
-    return cfg.max_new_tokens or (64 if cfg.model and cfg.task == "tools" else 24)
 
 
 def sampling(cfg: Config) -> tasks.Sampling:

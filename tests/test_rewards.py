@@ -2,6 +2,7 @@
 import random
 
 import pytest
+import torch
 
 import rewards
 from tasks import workflow_task as task
@@ -85,3 +86,31 @@ def test_held_out_prompts_are_unseen_in_training():
     train = {p["text"] for p in task.make_prompts("train")}
     held_out = {p["text"] for p in task.make_prompts("eval")}
     assert len(held_out) == 32 and not train & held_out
+
+
+@pytest.mark.lesson
+def test_dapo_overlong_penalty_against_verls_formula_and_hand_values():
+    """DAPO's soft punishment, as verl's reward manager writes it:
+    expected = max_len - buffer; exceed = length - expected; min(-exceed / buffer * factor, 0)."""
+    def verl(length, max_len, buffer, factor):
+        expected_len = max_len - buffer
+        exceed_len = length - expected_len
+        return min(-exceed_len / buffer * factor, 0)
+    for length in range(0, 25):
+        for factor in (1.0, 0.5):
+            assert rewards.overlong_penalty(length, 24, 8, factor) == pytest.approx(verl(length, 24, 8, factor))
+    assert rewards.overlong_penalty(16, 24, 8) == 0.0 and rewards.overlong_penalty(20, 24, 8) == -0.5
+    assert rewards.overlong_penalty(24, 24, 8) == -1.0
+
+
+def test_the_overlong_penalty_reaches_the_advantages_not_the_logged_reward():
+    import grpo
+    from conftest import synthetic_batch, tiny_model
+    batch = synthetic_batch(tiny_model(), n=4, c_len=6)                    # lengths: 4, 6, 6, 4
+    batch.rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    lengths = batch.completion_mask.sum(1).tolist()
+    hp = grpo.HyperParams(mini_batch=4, micro_batch=4, k=2, norm="none", max_len=6, overlong_buffer=4)
+    grpo.prepare(batch, hp)
+    expected = [r + rewards.overlong_penalty(n, 6, 4) for r, n in zip([1.0, 1.0, 0.0, 0.0], lengths)]
+    torch.testing.assert_close(batch.advantages, torch.tensor(expected))
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]

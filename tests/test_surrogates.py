@@ -238,7 +238,7 @@ def clip_run(tmp_path_factory):
                                    ["--policy-loss", "sapo"], ["--policy-loss", "gmpo"],
                                    ["--policy-loss", "clip-cov", "--cov-ratio", "0.05"],
                                    ["--policy-loss", "kl-cov", "--cov-ratio", "0.05"],
-                                   ["--top-entropy-quantile", "0.2"]])
+                                   ["--top-entropy-quantile", "0.2"], ["--overlong-buffer", "20"]])
 def test_each_policy_loss_trains_and_changes_only_the_update(flags, clip_run, tmp_path):
     """Five steps of two epochs with another objective: up to the first update the run is the
     clip run (the same rollouts), that update's loss differs, and every later step updates.
@@ -278,6 +278,8 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     (["--policy-loss", "kl-cov", "--cov-ratio", "-1"], "--cov-ratio: must be > 0"),
     (["--policy-loss", "clip-cov", "--clip-cov-lb", "6"], "--clip-cov-lb: must be below --clip-cov-ub"),
     (["--cov-ratio", "0.1"], "--cov-ratio: only --policy-loss clip-cov and kl-cov read it"),
+    (["--overlong-buffer", "24"], "--overlong-buffer: must be in [0, the completion limit 24)"),
+    (["--overlong-buffer", "-1"], "--overlong-buffer: must be in [0, the completion limit 24)"),
 ])
 def test_bad_policy_loss_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
     from running import config
