@@ -15,6 +15,7 @@ prints how many runs are left and its estimate of their time (`estimate`).
 
 Each verdict's rule is written next to it, before the first run, and not changed after.
 """
+import dataclasses
 import json
 import shlex
 import statistics
@@ -95,7 +96,9 @@ def finished(argv: list) -> dict | None:
     except (OSError, ValueError):
         return None
     wanted = flags(argv)
-    same = all(saved.get(k) == v for k, v in wanted.items() if k not in ("quiet", "overwrite"))
+    # a flag added after the run was made is not in its config.json: it ran with that flag's default
+    defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
+    same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in ("quiet", "overwrite"))
     return summary if same and not summary.get("interrupted") else None      # a stopped run is a result
 
 

@@ -49,6 +49,17 @@ def test_finished_runs_are_kept_and_a_run_cut_short_starts_again(lab):
     assert again["measured"] == first["measured"], "the same runs, the same numbers"
 
 
+def test_a_run_made_before_a_flag_existed_is_kept_when_that_flag_is_at_its_default(lab):
+    """A flag added to train.py after a run finished is missing from its config.json: the run
+    used that flag's default, so it is kept (the real-model lab outlives the code's changes)."""
+    lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
+    path = lab.out("real_group_size", "K=2, B=3", 0) / "config.json"
+    saved = json.loads(path.read_text())
+    del saved["policy_loss"], saved["top_entropy_quantile"]
+    path.write_text(json.dumps(saved))
+    assert real.finished(lab.argv("real_group_size", "K=2, B=3", 0)) is not None
+
+
 def test_a_setting_whose_flags_changed_runs_again(lab, monkeypatch):
     lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
     lab.calls.clear()
