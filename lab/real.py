@@ -77,6 +77,11 @@ class RealLab:
         kept = finished(argv)
         if kept is not None:
             return kept
+        out = self.out(name, label, seed)
+        if made_with_other_flags(out):        # a finished run of other flags: kept aside, not overwritten
+            aside = out.with_name(f"{out.name}.other-flags-{time.strftime('%Y%m%d-%H%M%S')}")
+            out.rename(aside)
+            log(f"  {name}: {label}, seed {seed}: the run there was made with other flags; kept as {aside.name}")
         t0 = time.time()
         summary = compare.run_one(argv + ["--overwrite"], compare.Launch())
         log(f"  {name}: {label}, seed {seed}: done in {time.time() - t0:.0f} s")
@@ -100,6 +105,15 @@ def finished(argv: list) -> dict | None:
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
     same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in ("quiet", "overwrite"))
     return summary if same and not summary.get("interrupted") else None      # a stopped run is a result
+
+
+def made_with_other_flags(out: Path) -> bool:
+    """A run finished in out (its summary says it was not interrupted), whose flags are not
+    the ones asked for now (finished() said no)."""
+    try:
+        return not json.loads((out / "summary.json").read_text()).get("interrupted")
+    except (OSError, ValueError):
+        return False
 
 
 def flags(argv: list) -> dict:

@@ -69,3 +69,5 @@ def test_a_setting_whose_flags_changed_runs_again(lab, monkeypatch):
     assert real.finished(lab.argv("real_group_size", "K=2, B=3", 0)) is None
     lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
     assert len(lab.calls) == 1
+    aside = list(lab.out("real_group_size", "K=2, B=3", 0).parent.glob("s0.other-flags-*"))
+    assert len(aside) == 1 and (aside[0] / "summary.json").is_file(), "the older run kept aside, not overwritten"
