@@ -43,7 +43,9 @@ def test_a_run_whose_completions_are_all_cut_says_so_once(tmp_path, capsys):
     step's completions/clipped_ratio is 1."""
     from running import config
     import train
-    train.train(config.parse_config(quick(tmp_path, "cut", "--max-new-tokens", "1")))
+    argv = quick(tmp_path, "cut", "--max-new-tokens", "1")
+    argv.remove("--quiet")
+    train.train(config.parse_config(argv))
     err = capsys.readouterr().err
     assert err.count("every completion was cut at --max-new-tokens 1") == 1 and "step 1:" in err
     rows = [json.loads(line) for line in open(tmp_path / "cut" / "metrics.jsonl")][1:]
@@ -53,7 +55,9 @@ def test_a_run_whose_completions_are_all_cut_says_so_once(tmp_path, capsys):
 def test_a_step_whose_every_group_has_one_reward_says_so_once(tmp_path, capsys):
     from running import config
     import train
-    train.train(config.parse_config(quick(tmp_path, "flat", "--steps", "4")))
+    argv = quick(tmp_path, "flat", "--steps", "4")
+    argv.remove("--quiet")
+    train.train(config.parse_config(argv))
     rows = [json.loads(line) for line in open(tmp_path / "flat" / "metrics.jsonl")][1:]
     err = capsys.readouterr().err
     flat = [r["step"] for r in rows if r["frac_zero_std_groups"] == 1.0]
