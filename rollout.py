@@ -143,9 +143,8 @@ class NonFiniteLogits(RuntimeError):
 def generate(model, gen_config: GenerationConfig, share: bool = False, **inputs) -> torch.Tensor:
     """model.generate under gen_config alone. generate fills every option left unset from the
     model's own saved generation_config (Qwen2.5-Instruct's repetition_penalty 1.05, another
-    model's min_p or no_repeat_ngram_size), so that config is swapped out for the call.
-    share: rows that repeat a prompt have it encoded once before (shared_prefix.prefill);
-    generate then runs only the tokens its cache lacks. The same tokens are sampled."""
+    model's min_p or no_repeat_ngram_size), so that config is swapped out for the call. share: a
+    prompt repeated over rows is encoded once first (shared_prefix.prefill); the same tokens come out."""
     saved = model.generation_config
     model.generation_config = gen_config
     try:

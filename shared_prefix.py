@@ -107,9 +107,13 @@ def mismatch(model, tokens: int = 12) -> float:
     p_mask[2:, :3] = 0                                # the second prompt left-padded
     c_mask[1, tokens // 2:] = 0                       # a completion that ended early
     plain = logprobs.Tokens(prompt, p_mask, completion, c_mask)
+    was_training = model.training
+    model.eval()                                      # as sampling runs; the mode is given back
     try:
         shared, _ = logprobs.completion_logprobs(model, plain._replace(share=True))
+        expected, _ = logprobs.completion_logprobs(model, plain)
     except (AttributeError, TypeError, ValueError, RuntimeError, IndexError):
         return float("inf")
-    expected, _ = logprobs.completion_logprobs(model, plain)
+    finally:
+        model.train(was_training)
     return ((shared - expected) * c_mask).abs().max().item()

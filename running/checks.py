@@ -209,7 +209,7 @@ def policy_loss_checks(cfg, need) -> None:
              f"only --policy-loss clip-cov reads it; --policy-loss {cfg.policy_loss} would ignore it")
     need(cfg.clip_cov_lb < cfg.clip_cov_ub, "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), "
          f"got {cfg.clip_cov_lb}: no token could be chosen")
-    need(0 <= cfg.overlong_buffer < completion_limit(cfg), "overlong-buffer",
+    need(cfg.overlong_buffer == 0 or 0 < cfg.overlong_buffer < completion_limit(cfg), "overlong-buffer",
          f"must be in [0, the completion limit {completion_limit(cfg)}) (0 = off), got {cfg.overlong_buffer}")
     need(0 < cfg.top_entropy_quantile <= 1, "top-entropy-quantile",
          f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}")
