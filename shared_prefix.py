@@ -90,8 +90,10 @@ def prefill(model, ids: torch.Tensor, attention: torch.Tensor):
 
 def worth_it(tokens) -> bool:
     """Whether any two rows share a prompt (with none, the plain forward is the same work, once)."""
-    return bool(tokens.share) and len(tokens.prompt_ids) > 1 and \
-        len(torch.unique(torch.cat([tokens.prompt_ids, tokens.prompt_mask], 1), dim=0)) < len(tokens.prompt_ids)
+    if not tokens.share or len(tokens.prompt_ids) < 2:
+        return False
+    rows, inverse = distinct_prompts(tokens.prompt_ids, tokens.prompt_mask)
+    return len(rows) < len(inverse)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The policy-gradient objective, five ways: PPO's clip and what 2025-26 trainers put in its place.
+"""The policy-gradient objective: PPO's clip and what 2025-26 trainers put in its place.
 
 PPO's clip (grpo.clipped_surrogate) bounds how far one update moves each token's probability:
 outside [1 - eps_low, 1 + eps_high] a token's gradient is exactly 0. That is the safety, and
@@ -194,8 +194,8 @@ def high_entropy_mask(entropy, mask, quantile: float):
 def policy_gradient_loss(logp, old_logp, adv, mask, hp):
     """The per-token policy-gradient loss (n, C) of hp.policy_loss, and where its bounds bit
     (low, high), (n, C) bool each. hp: grpo.HyperParams (its clip_low/clip_high, dual_clip_c,
-    cispo_max, sapo_tau_pos/neg, gmpo_delta, cov_ratio, clip_cov_lb/ub, kl_cov_coef). 'clip' with the sequence ratio is GSPO's
-    (grpo.importance_ratio); the others take the token ratio."""
+    cispo_max, sapo_tau_pos/neg, gmpo_delta, cov_ratio, clip_cov_lb/ub, kl_cov_coef). Every one
+    takes the token ratio; 'clip' itself (and GSPO's sequence ratio) is grpo.clipped_surrogate's."""
     ratio = torch.exp(logp - old_logp)                                           # (n, C)
     if hp.policy_loss == "dual-clip":
         return dual_clip(ratio, adv, hp.clip_low, hp.clip_high, hp.dual_clip_c)

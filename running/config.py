@@ -76,7 +76,7 @@ class Config:
                            "geometric mean of its token ratios; then, unless given, its paper's --clip-eps "
                            "3e-4 --clip-eps-high 4e-4 --loss-agg seq-mean-token-mean)", choices=grpo.RATIO_LEVELS)
     policy_loss: str = opt(GRPO.policy_loss, "the policy-gradient objective: PPO's clip, or a 2025-26 one in its "
-                           "place: dual-clip, CISPO, SAPO, GMPO (surrogates.py)", choices=surrogates.POLICY_LOSSES)
+                           "place: dual-clip, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov (surrogates.py)", choices=surrogates.POLICY_LOSSES)
     dual_clip_c: float = opt(GRPO.dual_clip_c, "--policy-loss dual-clip: a negative-advantage token's loss at most -c*A (c > 1)")
     cispo_max: float = opt(GRPO.cispo_max, "--policy-loss cispo: the cap of the stopped importance weight (> 0)")
     sapo_tau_pos: float = opt(GRPO.sapo_tau_pos, "--policy-loss sapo: the gate's temperature for A > 0 (> 0)")
