@@ -76,6 +76,11 @@ class HyperParams:
     kl_cov_coef: float = 1.0         # kl-cov: the penalty's weight
     top_entropy_quantile: float = 1.0   # the policy-gradient loss only on this top share of tokens by entropy
     overlong_buffer: int = 0         # DAPO: the last this-many tokens before max_len cost up to -1; 0 = off
+    mask_truncated: bool = False     # DAPO: completions cut at the token limit are left out of the loss
+    rollout_correction: str = "none"  # the rollout/training mismatch's: none | tis | mis (mismatch.py)
+    rollout_correction_level: str = "token"   # token | sequence (the geometric mean)
+    rollout_c_min: float = 0.5       # mis: a weight below this drops its token
+    rollout_c_max: float = 3.0       # tis: the weight capped here; mis: a weight above drops its token
     beta: float = 0.0                # KL coefficient (this step's, kl.py)
     kl_estimator: str = "k3"         # kl.estimate's k1 | k2 | k3
     entropy_coef: float = 0.0        # entropy bonus (this step's)
@@ -204,6 +209,8 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     else:                       # the 2025-26 objectives (surrogates.py), token ratios
         per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp)
         clipped = low | high
+    if rows.is_weight is not None:              # the rollout/training mismatch's correction (mismatch.py)
+        per_token = per_token * rows.is_weight
     if hp.top_entropy_quantile < 1:             # 80/20: the policy gradient on the forking tokens only
         per_token = per_token * surrogates.high_entropy_mask(entropy, mask, hp.top_entropy_quantile)
     sums = {}

@@ -184,3 +184,18 @@ class Scorer(torch.nn.Module):
                                                entropy_grad=entropy_grad, return_hidden=True)
         values = self.value_head.values(tokens, h) if self.value_head is not None else None   # (n, C)
         return logp, entropy, values
+
+
+# ---- batching token lists ----
+
+def pad(rows: list, value, left: bool = False, device=None) -> torch.Tensor:
+    """Lists of unequal length -> (n, L), filled with value on the right (or the left)."""
+    width = max(map(len, rows))
+    return torch.tensor([[value] * (width - len(r)) + r if left else r + [value] * (width - len(r))
+                         for r in rows], device=device)
+
+
+def left_pad(rows: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids, attention) (n, L), padded on the left."""
+    return pad(rows, pad_id, left=True, device=device), \
+        pad([[1] * len(r) for r in rows], 0, left=True, device=device)

@@ -207,3 +207,19 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0
     that stops mid-answer. length: the completion's policy tokens."""
     return min(0.0, ((max_len - buffer) - length) / buffer) * factor
 
+
+
+def mask_truncated(batch) -> None:
+    """DAPO's overlong filtering (TRL's mask_truncated_completions): a completion cut at the
+    token limit never said it was done, so its reward scores a text that stops mid-answer;
+    leave it out of the loss instead of punishing or rewarding it:
+
+        mask_it <- mask_it * (1 - truncated_i)
+
+    Its tokens stay in the context the others do not see anyway (each row is its own
+    sequence), its reward still enters its group's advantage, but none of its tokens is
+    trained on, nor counted in the loss's denominator. batch: a rollout.Rollout with
+    `truncated` (N,); its attention is kept as it was."""
+    if batch.completion_attn is None:              # the mask doubled as the attention: keep that apart
+        batch.completion_attn = batch.completion_mask.clone()
+    batch.completion_mask = batch.completion_mask * (~batch.truncated.bool()).unsqueeze(1).to(batch.completion_mask.dtype)

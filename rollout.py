@@ -17,8 +17,7 @@ every later token, but has mask 0: it is never trained on, because the policy di
 choose it. So completion_attn (attention: every real token) and completion_mask (loss:
 the policy's tokens only) differ there.
 
-`sampling` below is a tasks.Sampling: temperature, max_new_tokens, forward_batch (sequences
-per scoring forward) and static_cache.
+`sampling` below is a tasks.Sampling (temperature, max_new_tokens, forward_batch, ...).
 """
 from dataclasses import dataclass
 
@@ -26,18 +25,21 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+import mismatch
 import shared_prefix
-from logprobs import Tokens, completion_logprobs
+from logprobs import Tokens, completion_logprobs, left_pad, pad
 
 
 @dataclass
 class Models:
     """The networks a rollout uses: the policy and its tokenizer; the frozen reference (with
-    a KL term) and PPO's critic (ppo.ValueHead on the policy's trunk, or ppo.Critic), or None."""
+    a KL term), PPO's critic (ppo.ValueHead or ppo.Critic) and a sampler that is not the policy
+    (mismatch.RolloutPolicy), or None."""
     model: nn.Module
     tok: object
     ref: nn.Module | None = None
     value_head: nn.Module | None = None
+    sampler: nn.Module | None = None
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Rows:
     advantages: torch.Tensor | None
     old_values: torch.Tensor | None
     returns: torch.Tensor | None
+    is_weight: torch.Tensor | None = None
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Rollout:
                                                  # differs from the mask (environment tokens)
     share_prefix: bool = False      # forwards encode each distinct prompt once (shared_prefix.py)
     truncated: torch.Tensor | None = None    # (N,) bool: cut at the token limit, never ended (EOS / stop)
+    rollout_logp: torch.Tensor | None = None  # (N, C) the sampler's own log-probs (mismatch.py)
+    is_weight: torch.Tensor | None = None     # (N, C) the mismatch correction's weight (mismatch.weigh)
 
     def attention(self, idx=slice(None)) -> torch.Tensor:
         """(n, C) attention mask of the completion: every real token, policy's or not."""
@@ -105,7 +110,7 @@ class Rollout:
         adv = self.advantages[idx] if self.advantages.dim() == 1 else cut(self.advantages)
         return Rows(Tokens(p_ids, p_mask, self.completion_ids[idx][:, cols], attn[:, cols], self.share_prefix),
                     cut(self.completion_mask), cut(self.old_logp), cut(self.ref_logp), adv,
-                    cut(self.old_values), cut(self.returns))
+                    cut(self.old_values), cut(self.returns), cut(self.is_weight))
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -176,9 +181,12 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     model.eval()
     # Pure sampling from softmax(logits / temperature), so the log-probs below are those of
     # the distribution the samples came from. generate stops once every sequence sampled EOS.
-    gen = plain_sampling(tok, sampling.temperature, sampling.max_new_tokens, eos_token_id=tok.eos_token_id,
+    record = dict(output_scores=True, return_dict_in_generate=True) if sampling.rollout_logprobs else {}
+    gen = plain_sampling(tok, sampling.rollout_temperature or sampling.temperature, sampling.max_new_tokens,
+                         eos_token_id=tok.eos_token_id, **record,
                          cache_implementation="static" if sampling.static_cache else None)
-    out = generate(model, gen, sampling.shared_prefix and not sampling.static_cache, **enc)   # (N, P+C)
+    out = generate(models.sampler or model, gen, sampling.shared_prefix and not sampling.static_cache, **enc)
+    out, scores = (out.sequences, out.scores) if record else (out, None)           # (N, P+C)
     p_len = enc["input_ids"].shape[1]
     completion_ids = out[:, p_len:]                                 # (N, C)
     mask = completion_mask(completion_ids, tok.eos_token_id)        # (N, C)
@@ -187,6 +195,8 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     batch = Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
                     None, None, [d.strip() for d in decoded], share_prefix=sampling.shared_prefix,
                     truncated=~(out[:, p_len:] == tok.eos_token_id).any(1))    # no EOS: cut at the limit
+    if scores is not None:                                          # the sampler's log-probs (mismatch.py)
+        batch.rollout_logp = mismatch.sampler_logprobs(scores, completion_ids) * mask
     return score_logprobs(batch, models, sampling, record_old_logp)
 
 
@@ -210,19 +220,6 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
         batch.old_logp, batch.old_values = forward(models.model, models.value_head)       # (N, C) each
     batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None          # (N, C)
     return batch
-
-
-def pad(rows: list, value, left: bool = False, device=None) -> torch.Tensor:
-    """Lists of unequal length -> (n, L), filled with value on the right (or the left)."""
-    width = max(map(len, rows))
-    return torch.tensor([[value] * (width - len(r)) + r if left else r + [value] * (width - len(r))
-                         for r in rows], device=device)
-
-
-def left_pad(rows: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids, attention) (n, L), padded on the left."""
-    return pad(rows, pad_id, left=True, device=device), \
-        pad([[1] * len(r) for r in rows], 0, left=True, device=device)
 
 
 def stop_ids(tok, stop_strings) -> list | None:

@@ -33,8 +33,10 @@ import torch
 
 import dynamic_sampling
 import grpo
+import mismatch
 import ppo
 import rce
+import rewards
 import rollout
 import update
 from running import checkpoint, distributed, report, schedules
@@ -56,9 +58,13 @@ def sample_rollouts(learner: Learner, prompts: list, hp: grpo.HyperParams, draw:
     of B fresh prompts (draw()) until B groups' rewards differ (dynamic_sampling.py).
     Returns (batch, outcomes, their prompts, the sampling's metrics); batch None when the
     policy's logits were non-finite."""
+    models, sampling = learner.models, learner.sampling
+    if learner.rollout_policy:        # a sampler that is not quite the policy, its log-probs kept (mismatch.py)
+        models, sampling = learner.rollout_policy.rollout(models, sampling)
+
     def one_round(prompts):
         with learner.autocast():
-            return learner.task.sample(learner.models, prompts, hp.k, learner.sampling,
+            return learner.task.sample(models, prompts, hp.k, sampling,
                                        record_old_logp=not hp.reuse_old_logp)           # rewards (N,)
     try:
         if learner.dynamic:           # DAPO: keep only groups whose rewards differ
@@ -84,9 +90,12 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
     algo = ALGOS[hp.algo]
     if finite:
         algo.prepare(batch, hp)                    # advantages: (N,) GRPO, (N, C) PPO; RCE's weights
+        mismatch.weigh(batch, hp)                  # --rollout-correction: each token's weight pi_old / pi_sampler
     else:                                          # the bad rewards never reach a metric
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
     row = dict(report.rollout_metrics(batch, outcomes, learner.task, hp), **extra)
+    if hp.mask_truncated:            # DAPO: completions cut at the limit leave the loss (after the metrics read them)
+        rewards.mask_truncated(batch)
     row["update_skipped"] = why_no_update(batch, row, hp, finite)
     stats = report.no_update("reward") if not finite else report.no_update()
     if row["update_skipped"] is None:
@@ -105,6 +114,8 @@ def why_no_update(batch, row: dict, hp: grpo.HyperParams, finite: bool) -> str |
     non_finite_reward  a reward function returned NaN/inf (counted as a non-finite step)
     no_group_kept      --dynamic-sampling found no group whose rewards differ in its rounds
                        (verl raises; under --norm global the rejected groups would train)
+    all_truncated      --mask-truncated, and every completion was cut at the token limit: no
+                       token is left to train on
     no_signal          GRPO without KL or entropy terms and every advantage 0 (AdamW's
                        momentum would still move the weights); PPO always has its value loss
     all_fallback       report 001's guard (--skip-all-fallback): every sample is fallback text"""
@@ -112,6 +123,8 @@ def why_no_update(batch, row: dict, hp: grpo.HyperParams, finite: bool) -> str |
         return "non_finite_reward"
     if row.get("groups_kept") == 0:
         return "no_group_kept"
+    if hp.mask_truncated and not distributed.any_rank(bool(batch.completion_mask.any())):
+        return "all_truncated"
     if hp.algo == "grpo" and hp.beta == 0 and hp.entropy_coef == 0 \
             and not distributed.any_rank((batch.advantages != 0).any()):
         return "no_signal"
@@ -130,8 +143,10 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     end = cfg.entropy_coef if cfg.entropy_coef_end < 0 else cfg.entropy_coef_end
     tau = {"rce_temp": schedules.linear(step, cfg.steps, cfg.rce_temp_start, cfg.rce_temp_end)} if cfg.algo == "rce" else {}
+    entropy_coef = run.entropy_control.applied() if run.entropy_control else \
+        schedules.linear(step, cfg.steps, cfg.entropy_coef, end)             # --entropy-target: entropy_control.py
     return dataclasses.replace(run.hp, beta=run.kl_control.beta, seed=cfg.seed * 100003 + step,
-                               entropy_coef=schedules.linear(step, cfg.steps, cfg.entropy_coef, end), **tau)
+                               entropy_coef=entropy_coef, **tau)
 
 
 def exit_code(summary: dict) -> int:

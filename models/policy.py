@@ -33,7 +33,6 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
                           Qwen2Config, Qwen2ForCausalLM)
 
 import logprobs
-import rollout
 from models.pretrained import ModelError, set_aside
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -108,9 +107,9 @@ def sft_rows(task, tok, examples: list):
             row, label = row + [tok.eos_token_id], label + [tok.eos_token_id]
         rows.append(row)
         labels.append(label)
-    ids = rollout.pad(rows, tok.pad_token_id)                                # (n, L)
-    mask = rollout.pad([[1] * len(r) for r in rows], 0)                      # (n, L)
-    return ids, mask, rollout.pad(labels, -100)
+    ids = logprobs.pad(rows, tok.pad_token_id)                                # (n, L)
+    mask = logprobs.pad([[1] * len(r) for r in rows], 0)                      # (n, L)
+    return ids, mask, logprobs.pad(labels, -100)
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,9 @@ class RunState:
     best_checkpoint: str | None = None   # its checkpoint, relative to the run (--early-stop-patience)
     evals_since_best: int = 0
     monitor: dict | None = None      # the state dicts of the monitor, the KL controller and
-    kl_control: dict | None = None   # the value head, at the last save
+    kl_control: dict | None = None   # the value head and the adaptive entropy control, at the last save
     value_head: dict | None = None
+    entropy_control: dict | None = None
 
     @classmethod
     def from_checkpoint(cls, saved: dict) -> "RunState":
@@ -171,6 +172,8 @@ def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
     measured = {**row, **stats}.get(kl.READS[cfg.kl_control])
     if row["kl"] is not None and measured is not None:
         run.kl_control.update(measured)
+    if run.entropy_control is not None and stats["steps_taken"]:     # the bonus's weight for the next step
+        row["entropy_coef_adaptive"] = run.entropy_control.update(stats["entropy"])
     collapsed = state.count(step, stats, row[run.learner.task.FORMAT_KEY], cfg.n)
     row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
     if row.get("update_skipped") == "no_group_kept" and "no_group_kept" not in run.said:
@@ -252,6 +255,7 @@ def save(run: Run) -> Path | None:
     in the summary) when it cannot be written: a full disk ends that save, not the run."""
     state, models = run.state, run.learner.models
     snapshot = dataclasses.replace(state, monitor=run.stability.state_dict(), kl_control=run.kl_control.state_dict(),
+                                   entropy_control=run.entropy_control.state_dict() if run.entropy_control else None,
                                    value_head=models.value_head.state_dict() if models.value_head is not None else None,
                                    seconds=state.seconds + time.time() - run.started)
     path = None

@@ -211,6 +211,8 @@ def policy_loss_checks(cfg, need) -> None:
          f"got {cfg.clip_cov_lb}: no token could be chosen")
     need(cfg.overlong_buffer == 0 or 0 < cfg.overlong_buffer < completion_limit(cfg), "overlong-buffer",
          f"must be in [0, the completion limit {completion_limit(cfg)}) (0 = off), got {cfg.overlong_buffer}")
+    entropy_control_checks(cfg, need)
+    mismatch_checks(cfg, need)
     need(0 < cfg.top_entropy_quantile <= 1, "top-entropy-quantile",
          f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}")
     need(cfg.policy_loss == "clip" or cfg.ratio_level == "token", "policy-loss",
@@ -226,10 +228,45 @@ def policy_loss_checks(cfg, need) -> None:
          + ("one per token (GAE)" if cfg.algo == "ppo" else "no ratio at all"))
 
 
+def entropy_control_checks(cfg, need) -> None:
+    """--entropy-target and its knobs: non-negative values; the knobs only with a target; no
+    decay schedule with it (both would set the same weight)."""
+    need(cfg.entropy_target >= 0, "entropy-target", f"must be >= 0 (0 = off), got {cfg.entropy_target}")
+    need(cfg.entropy_coef_delta > 0, "entropy-coef-delta", f"must be > 0, got {cfg.entropy_coef_delta}")
+    need(cfg.entropy_target == 0 or cfg.entropy_coef_max >= cfg.entropy_coef, "entropy-coef-max",
+         f"must be >= --entropy-coef {cfg.entropy_coef}, got {cfg.entropy_coef_max}")
+    for name, default in (("entropy_coef_delta", 0.005), ("entropy_coef_max", 1.0)):
+        need(cfg.entropy_target > 0 or getattr(cfg, name) == default, name.replace("_", "-"),
+             "only adaptive entropy control reads it; give --entropy-target too")
+    need(cfg.entropy_target == 0 or cfg.entropy_coef_end == -1, "entropy-coef-end",
+         "a decay schedule and --entropy-target would both set the bonus's weight; give one")
+
+
+def mismatch_checks(cfg, need) -> None:
+    """The rollout/training mismatch's flags: sane values; a correction's knobs only with it;
+    the sampler's log-probs only where they are recorded (the single-turn task)."""
+    need(cfg.rollout_stale >= 0, "rollout-stale", f"must be >= 0 updates, got {cfg.rollout_stale}")
+    need(cfg.rollout_temperature >= 0, "rollout-temperature", f"must be >= 0 (0 = --temperature), got "
+         f"{cfg.rollout_temperature}")
+    need(cfg.rollout_c_max > 1, "rollout-c-max", f"must be > 1 (a weight of 1 is on-policy), got {cfg.rollout_c_max}")
+    need(0 < cfg.rollout_c_min < 1, "rollout-c-min", f"must be in (0, 1), got {cfg.rollout_c_min}")
+    for name in ("rollout_correction_level", "rollout_c_min", "rollout_c_max"):
+        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        need(cfg.rollout_correction != "none" or getattr(cfg, name) == default, name.replace("_", "-"),
+             "only --rollout-correction tis or mis reads it")
+    need(cfg.rollout_correction == "mis" or cfg.rollout_c_min == 0.5, "rollout-c-min",
+         f"only --rollout-correction mis drops tokens below a floor; {cfg.rollout_correction} would ignore it")
+    need(cfg.task != "tools" or not cfg.rollout_logprobs, "task",
+         "the tool task's multi-turn episodes do not record the sampler's log-probs that --rollout-*/--log-mismatch "
+         "need (mismatch.py is built for --task dsl)")
+
+
 USED_BY = {
     "norm": ("grpo",), "unbiased": ("grpo",), "adv_clip": ("grpo",),     # GRPO's advantages; PPO: GAE
     "clip_eps": ("grpo", "ppo"), "clip_eps_high": ("grpo", "ppo"),        # RCE has no ratio
     "policy_loss": ("grpo", "ppo"), "top_entropy_quantile": ("grpo", "ppo"), "overlong_buffer": ("grpo",),
+    "entropy_target": ("grpo", "ppo"), "mask_truncated": ("grpo", "ppo"),
+    "rollout_correction": ("grpo", "ppo"),                                # RCE has no ratio to correct
     "loss_agg": ("grpo", "ppo"), "target_kl": ("grpo", "ppo"),            # RCE: its own mean, no approx_kl
     "entropy_coef": ("grpo", "ppo"), "entropy_coef_end": ("grpo", "ppo"), # RCE's loss has no entropy term
     "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",), "value_clip": ("ppo",),   # the critic's

@@ -22,6 +22,7 @@ from running import checkpoint
 from running import distributed
 import grpo
 import kl
+import mismatch
 import ppo
 import rce
 from running import schedules
@@ -97,6 +98,29 @@ class Config:
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
     entropy_coef: float = opt(GRPO.entropy_coef, "entropy bonus weight (at the first step)")
     entropy_coef_end: float = opt(-1.0, "entropy bonus at the last step, linear in between; -1 = no decay")
+    entropy_target: float = opt(0.0, "adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the bonus "
+                                "applies while the token entropy is at or below this, its weight moving from "
+                                "--entropy-coef by --entropy-coef-delta a step (entropy_control.py); 0 = off")
+    entropy_coef_delta: float = opt(0.005, "--entropy-target: how far the bonus's weight moves per step (> 0)")
+    entropy_coef_max: float = opt(1.0, "--entropy-target: the bonus's weight never rises above this")
+    # the rollout/training mismatch (mismatch.py)
+    rollout_dtype: str = opt("same", "sample from a copy of the policy in this dtype (bf16: as vLLM does); same = "
+                             "the policy itself", choices=("same", *mismatch.DTYPES))
+    rollout_stale: int = opt(0, "sample from the policy's weights of this many updates ago (asynchronous rollouts)")
+    rollout_temperature: float = opt(0.0, "sample at this temperature while training scores at --temperature; "
+                                     "0 = the same")
+    rollout_correction: str = opt("none", "correct the mismatch: tis (truncated IS, min(w, C_max)) or mis "
+                                  "(masked IS / ICEPOP: w outside [C_min, C_max] drops its token), "
+                                  "w = pi_old / pi_sampler", choices=mismatch.CORRECTIONS)
+    rollout_correction_level: str = opt("token", "the correction's weight per token, or per sequence (the "
+                                        "geometric mean of its tokens')", choices=mismatch.LEVELS)
+    rollout_c_min: float = opt(GRPO.rollout_c_min, "--rollout-correction mis: a weight below this drops its token")
+    rollout_c_max: float = opt(GRPO.rollout_c_max, "--rollout-correction tis: the cap; mis: a weight above this "
+                               "drops its token (> 1)")
+    log_mismatch: bool = opt(False, "record the sampler's log-probs and log the mismatch (sampling/*) even "
+                             "with no mismatch made (the null: float rounding alone)")
+    mask_truncated: bool = opt(False, "DAPO's overlong filtering: completions cut at the token limit (no EOS) are "
+                               "left out of the loss (TRL's mask_truncated_completions)")
     loss_agg: str = opt(GRPO.loss_agg, "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
     epochs: int = opt(GRPO.epochs, "passes over each batch")
     mini_batch: int = opt(0, "sequences per optimizer step (over all ranks under torchrun); 0 = all N "
@@ -202,11 +226,18 @@ class Config:
         return self.kl_in == "reward" or (self.kl_in == "auto" and self.algo == "ppo")
 
     @property
+    def rollout_logprobs(self) -> bool:
+        """The sampler's own log-probs are recorded (a mismatch made, corrected or logged)."""
+        return (self.log_mismatch or self.rollout_dtype != "same" or self.rollout_stale > 0
+                or self.rollout_temperature > 0 or self.rollout_correction != "none")
+
+    @property
     def reuse_old_logp(self) -> bool:
         """--fast and one GRPO update per batch: the policy that sampled is the policy of the
         update's forward, so old log-probs are that forward's, detached (TRL does the same)."""
         return (self.fast and self.algo == "grpo" and self.epochs == 1
-                and self.mini_batch in (0, self.n) and not self.kl_in_reward)
+                and self.mini_batch in (0, self.n) and not self.kl_in_reward
+                and not self.rollout_logprobs)       # the mismatch's weight needs pi_old before the update
 
 
 # ---- what the lesson code reads: two small objects, every "0 means the default" resolved here ----
@@ -229,7 +260,10 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
         policy_loss=cfg.policy_loss, dual_clip_c=cfg.dual_clip_c, cispo_max=cfg.cispo_max,
         sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, gmpo_delta=cfg.gmpo_delta,
         cov_ratio=cfg.cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub, kl_cov_coef=cfg.kl_cov_coef,
-        top_entropy_quantile=cfg.top_entropy_quantile, overlong_buffer=cfg.overlong_buffer, seed=cfg.seed)
+        top_entropy_quantile=cfg.top_entropy_quantile, overlong_buffer=cfg.overlong_buffer,
+        mask_truncated=cfg.mask_truncated, rollout_correction=cfg.rollout_correction,
+        rollout_correction_level=cfg.rollout_correction_level, rollout_c_min=cfg.rollout_c_min,
+        rollout_c_max=cfg.rollout_c_max, seed=cfg.seed)
     if cfg.algo == "ppo":
         return ppo.PPOParams(**common, gamma=cfg.gamma, lam=cfg.lam, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
     if cfg.algo == "rce":

@@ -97,6 +97,7 @@ import advantages
 from running import checkpoint
 from running import distributed
 import kl
+import mismatch
 from running import plots
 import ppo
 
@@ -131,10 +132,23 @@ def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
                frac_adv_negative=(p["seq_adv"] < 0).float().mean().item(),
                kl=p["kl"].mean().item() if p["kl"] is not None else None, kl_coef=hp.beta)
     row.update(completion_lengths(p["lengths"], p["truncated"]))
+    if batch.rollout_logp is not None and batch.old_logp is not None:      # the rollout/training mismatch
+        row.update(mismatch_metrics(batch))
     if ppo_critic and finite.all():
         row["explained_variance"] = ppo.explained_variance(p["values"], p["returns"],
                                                            torch.ones_like(p["values"]))
     return row
+
+
+def mismatch_metrics(batch) -> dict:
+    """mismatch.diagnostics over the whole batch's policy tokens (joined over ranks): how far the
+    sampler's log-probs are from the policy's recomputed ones, and the correction's weight."""
+    mask = batch.completion_mask.bool()                                              # (N, C)
+    log_w = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "token")  # (N, C)
+    seq = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "sequence")[:, :1]   # (N, 1)
+    p = distributed.concat(dict(tokens=log_w[mask], seqs=seq[mask.any(1), 0],
+                                weights=batch.is_weight[mask] if batch.is_weight is not None else None))
+    return mismatch.diagnostics(p["tokens"], p["seqs"], p["weights"])
 
 
 def completion_lengths(lengths: torch.Tensor, truncated: torch.Tensor | None) -> dict:

@@ -23,9 +23,11 @@ import torch
 import transformers
 
 import dynamic_sampling
+import entropy_control
 import grpo
 import kl
 import logprobs
+import mismatch
 import ppo
 import rollout
 import shared_prefix
@@ -50,6 +52,7 @@ class Learner:
     scorer: torch.nn.Module          # what the update differentiates: logprobs.Scorer(policy, value
                                      # head), in DDP under torchrun (distributed.replicate)
     dynamic: dynamic_sampling.Budget | None = None   # --dynamic-sampling's budget per step; None = off
+    rollout_policy: mismatch.RolloutPolicy | None = None   # a sampler that is not the policy; None = off
 
 
 @dataclass
@@ -60,6 +63,7 @@ class Run:
     learner: Learner
     hp: grpo.HyperParams             # this run's; each step replaces beta, entropy_coef, seed
     kl_control: kl.KLController
+    entropy_control: entropy_control.AdaptiveEntropy | None    # --entropy-target; None: the schedule
     stability: monitor.StabilityMonitor
     state: RunState
     rng: random.Random               # the prompts' draws
@@ -241,9 +245,13 @@ def start(cfg: Config, out: Path) -> Run:
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, sampling(cfg, model, log),
                       autocast, scorer, dynamic=dynamic_sampling.Budget(cfg.max_sampling_rounds, cfg.max_sampling_seconds)
-                      if cfg.dynamic_sampling else None)
+                      if cfg.dynamic_sampling else None,
+                      rollout_policy=mismatch.RolloutPolicy(cfg.rollout_dtype, cfg.rollout_stale, cfg.rollout_temperature)
+                      if cfg.rollout_logprobs else None)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
+    adaptive = entropy_control.AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta,
+                                               cfg.entropy_coef_max) if cfg.entropy_target > 0 else None
     stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,
                                          cfg.alert_window)
     rng = random.Random(cfg.seed)
@@ -254,6 +262,8 @@ def start(cfg: Config, out: Path) -> Run:
         state = RunState.from_checkpoint(saved)
         stability.load_state_dict(state.monitor)
         kl_control.load_state_dict(state.kl_control)
+        if adaptive is not None:
+            adaptive.load_state_dict(state.entropy_control)
         if value_head is not None:
             value_head.load_state_dict(state.value_head)
         for name in ("metrics.jsonl", "samples.jsonl"):
@@ -275,7 +285,7 @@ def start(cfg: Config, out: Path) -> Run:
             for name in ("metrics.jsonl", "samples.jsonl")]
     if cfg.tensorboard and main:                     # the metrics mirrored for TensorBoard
         logs[0] = report.TensorBoardMirror(logs[0], out / "tensorboard")
-    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, stability, state, rng,
+    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, state, rng,
               prompts_of(task, cfg), *logs, log, started,
               warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone

@@ -25,6 +25,8 @@ class Sampling:
     reward: str = "shaped"           # tools task: sparse | shaped | format
     reward_clip: float | None = None  # tools task: clamp the shaped reward to [-c, c]
     process_reward: bool = True      # tools task: the tool's process reward counted
+    rollout_temperature: float = 0.0  # the sampler's temperature when not `temperature` (mismatch.py); 0 = same
+    rollout_logprobs: bool = False   # record the sampler's own log-probs (mismatch.sampler_logprobs)
 
 
 class Task(Protocol):

@@ -110,7 +110,7 @@ def test_policy_loss_reads_the_ratio_level_from_the_hyper_params():
     old = torch.zeros(2, 3)
     logp = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.2, 0.0]])
     rows = SimpleNamespace(mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), advantages=torch.tensor([1.0, -1.0]),
-                           ref_logp=None)
+                           ref_logp=None, is_weight=None)
     hp = grpo.HyperParams(mini_batch=2, micro_batch=2, ratio_level="sequence", clip_low=0.5, clip_high=0.5)
     per_token, _ = grpo.policy_loss(logp, old, torch.zeros(2, 3), rows, hp)
     assert per_token[0].tolist() == pytest.approx([-math.exp(0.2)] * 3)

@@ -52,7 +52,8 @@ NOT_DEFAULT = {"norm": "group", "unbiased": None, "adv_clip": "3", "clip_eps": "
                "loss_agg": "constant", "target_kl": "0.02", "entropy_coef": "0.01", "entropy_coef_end": "0.001",
                "gamma": "0.99", "lam": "0.9", "vf_coef": "1.0", "value_clip": "0.1", "rce_temp_start": "1.0",
                "rce_temp_end": "0.7", "policy_loss": "dual-clip",
-               "top_entropy_quantile": "0.2", "overlong_buffer": "4"}
+               "top_entropy_quantile": "0.2", "overlong_buffer": "4", "entropy_target": "0.3",
+               "mask_truncated": None, "rollout_correction": "tis"}
 PAIRS = [(name, algo) for name, algos in checks.USED_BY.items() for algo in ("grpo", "ppo", "rce") if algo not in algos]
 
 

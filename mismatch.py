@@ -1,0 +1,153 @@
+"""The rollout/training mismatch: the policy that sampled is not quite the policy that trains.
+
+PPO's ratio exp(logp - logp_old) assumes the samples came from pi_old, the weights that
+recorded logp_old. In a fast trainer they did not: vLLM or SGLang samples in bf16 with its own
+kernels, or from weights a few updates old (asynchronous rollouts), while the trainer
+recomputes logp_old in fp32. Per token, with mu the sampler's probabilities,
+
+    log w_it = log pi_old(y_it) - log mu(y_it)         w = pi_old / mu, the importance weight
+
+and the expected gradient is right only with w in it: E_mu[w * grad] = E_pi_old[grad]. Left
+out, every update is a little off-policy in a direction no clip sees (the clip bounds
+pi / pi_old, never pi_old / mu); "When Speed Kills Stability" (Liu, Li et al., 2025) traces
+collapses of long runs to it. The corrections multiply the policy-gradient term of each
+token's loss by a weight made from w (never differentiated), at one of two levels:
+
+    token      w_it                                  (TRL token_*, verl token)
+    sequence   exp(mean_t log w_it), every token     (the geometric mean: verl's "geometric";
+                                                      TRL's sequence_* take the product, which
+                                                      underflows past a few hundred tokens)
+
+    tis        min(w, C_max)                         truncated IS (TRL *_truncate, verl rollout_is)
+    mis        w if C_min <= w <= C_max, else 0      masked IS, ICEPOP (TRL *_mask, verl rollout_rs)
+
+To see it on a CPU, without vLLM, this module makes the sampler differ on purpose
+(`RolloutPolicy`): a bf16 copy of the policy (`--rollout-dtype bf16`), the weights of n
+updates ago (`--rollout-stale n`) or another temperature (`--rollout-temperature`). The
+sampler's own log-probs come from `generate`'s processed scores (`sampler_logprobs`: the
+distribution each token was drawn from), and the run logs how far apart the two are
+(`diagnostics`, TRL's names) whether or not it corrects (`--log-mismatch` alone: the null,
+the same weights on both sides, where only float rounding differs).
+"""
+import copy
+import dataclasses
+import math
+from collections import deque
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}          # --rollout-dtype; "same": the policy
+CORRECTIONS = ("none", "tis", "mis")
+LEVELS = ("token", "sequence")
+
+
+# ---- the sampler's log-probs ----
+
+def sampler_logprobs(scores: tuple, completion_ids: torch.Tensor) -> torch.Tensor:
+    """(N, C) log mu of each sampled token, from generate's processed scores: scores[t] (N, V)
+    is the distribution step t sampled from (the logits after every processor, temperature
+    included), so log_softmax(scores[t]) at the chosen token is the sampler's log-prob. Columns
+    past the last step (a row padded after its EOS) are 0; mask them."""
+    n, c = completion_ids.shape
+    out = torch.zeros(n, c, device=completion_ids.device)
+    rows = torch.arange(n, device=completion_ids.device)
+    for t, s in enumerate(scores[:c]):
+        out[:, t] = torch.log_softmax(s.float(), -1)[rows, completion_ids[:, t]]
+    return out
+
+
+# ---- a sampler that differs on purpose ----
+
+class RolloutPolicy:
+    """How a step's rollouts are sampled when not from the policy that trains, and with the
+    sampler's log-probs recorded: from a copy in `dtype` ("same": the policy itself) holding the
+    policy's weights of `stale` updates ago (0: this step's), at `temperature` (0: the
+    training's). The copy is refreshed from the policy every step, as a trainer loads its
+    weights into vLLM. The stale weights are kept in memory only: a resumed run's first
+    `stale` steps sample fresher ones."""
+
+    def __init__(self, dtype: str = "same", stale: int = 0, temperature: float = 0.0):
+        self.dtype, self.copy, self.temperature = DTYPES.get(dtype, torch.float32), None, temperature
+        self.own_copy = dtype != "same" or stale > 0
+        self.history = deque(maxlen=stale + 1)
+
+    def rollout(self, models, sampling):
+        """Called once a step, before sampling: (models, sampling) for this step's rollouts:
+        rollout.Models with the sampler set, tasks.Sampling recording the sampler's log-probs."""
+        sampler = self.sampler(models.model) if self.own_copy else None
+        return (dataclasses.replace(models, sampler=sampler),
+                dataclasses.replace(sampling, rollout_logprobs=True, rollout_temperature=self.temperature))
+
+    def sampler(self, model: nn.Module) -> nn.Module:
+        """The copy, holding the weights to sample with this step."""
+        self.history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        if self.copy is None:
+            self.copy = copy.deepcopy(model).to(self.dtype).eval()
+            self.copy.requires_grad_(False)
+        self.copy.load_state_dict(self.history[0])             # the oldest kept: `stale` updates ago
+        return self.copy
+
+
+# ---- the correction ----
+
+def log_weights(old_logp, rollout_logp, mask, level: str) -> torch.Tensor:
+    """log w per token (N, C), or each sequence's mean log w on its every token (sequence
+    level); 0 off the mask."""
+    m = mask.to(old_logp.dtype)
+    log_w = (old_logp - rollout_logp) * m                                          # (N, C)
+    if level == "sequence":
+        log_w = (log_w.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp_min(1)) * m
+    return log_w
+
+
+def correction(log_w, mode: str, c_min: float, c_max: float) -> torch.Tensor:
+    """The weight each token's policy-gradient term is multiplied by (N, C), no gradient:
+
+        tis   min(w, c_max)
+        mis   w * [c_min <= w <= c_max]      (ICEPOP: a token far off-policy is dropped)
+
+    log_w is clamped to +-20 before exp (as verl does), so no weight is inf."""
+    w = torch.exp(log_w.detach().clamp(-20.0, 20.0))
+    if mode == "tis":
+        return w.clamp(max=c_max)
+    if mode == "mis":
+        return w * ((w >= c_min) & (w <= c_max)).to(w.dtype)
+    raise ValueError(f"unknown correction {mode!r}; expected one of {CORRECTIONS[1:]}")
+
+
+def weigh(batch, hp) -> None:
+    """Fill batch.is_weight (N, C) from the sampler's log-probs and the policy's recomputed
+    old ones, by hp.rollout_correction at hp.rollout_correction_level; None without one."""
+    if hp.rollout_correction == "none" or batch.rollout_logp is None:
+        batch.is_weight = None
+        return
+    log_w = log_weights(batch.old_logp, batch.rollout_logp, batch.completion_mask, hp.rollout_correction_level)
+    batch.is_weight = correction(log_w, hp.rollout_correction, hp.rollout_c_min, hp.rollout_c_max)
+
+
+# ---- what a run logs ----
+
+def diagnostics(log_w_tokens: torch.Tensor, log_w_seqs: torch.Tensor, weight_tokens=None) -> dict:
+    """How far the sampler and the trainer disagree on the tokens sampled (TRL's names):
+
+        sampling/sampling_logp_difference/mean, max     |log pi_old - log mu| per token
+        sampling/importance_sampling_ratio/min, mean, max   w = pi_old / mu per token
+        sampling/importance_sampling_ratio/seq_min, seq_max the geometric mean per sequence
+        sampling/effective_sample_size      (sum w)^2 / (n sum w^2) over the tokens: 1 when
+                                            every w is equal, 1/n when one token has all
+        sampling/corrected_weight/mean      the correction's weight (0 for a masked token), when
+                                            a correction is on
+    log_w_tokens: (tokens,) log w of every policy token; log_w_seqs: (N,) the mean per sequence."""
+    w = torch.exp(log_w_tokens.double().clamp(-20.0, 20.0))
+    out = {"sampling/sampling_logp_difference/mean": log_w_tokens.abs().mean().item(),
+           "sampling/sampling_logp_difference/max": log_w_tokens.abs().max().item(),
+           "sampling/importance_sampling_ratio/min": w.min().item(),
+           "sampling/importance_sampling_ratio/mean": w.mean().item(),
+           "sampling/importance_sampling_ratio/max": w.max().item(),
+           "sampling/importance_sampling_ratio/seq_min": math.exp(log_w_seqs.min().item()),
+           "sampling/importance_sampling_ratio/seq_max": math.exp(log_w_seqs.max().item()),
+           "sampling/effective_sample_size": (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()}
+    if weight_tokens is not None:
+        out["sampling/corrected_weight/mean"] = weight_tokens.mean().item()
+    return out
