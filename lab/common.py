@@ -54,13 +54,16 @@ class Lab:
                       lambda m: f"--{m.group(1)} {max(4 if m.group(1) == 'steps' else 1, int(m.group(2)) // 15)}",
                       flags)
 
-    def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=()):
+    def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=(),
+              seeds: range | None = None):
+        """Every setting over seeds (default: self.seeds from 0; --quick: the first 2 of the range)."""
+        seeds = range(self.seeds) if seeds is None else seeds[:QUICK_SEEDS] if self.quick else seeds
         common = self.shrink(common) + (" --eval-every 5 --eval-samples 1" if self.quick else "") \
             + (f" --model {self.model}" if self.model else "")
         settings = [self.shrink(s) for s in settings]
         # an experiment's rerun replaces its own runs: the lab owns its --out folder
-        results = compare.run_settings(settings, common, self.seeds, self.dir(name), metrics, columns,
-                                       title=f"{name}: {self.seeds} seeds; common: {common}",
+        results = compare.run_settings(settings, common, seeds, self.dir(name), metrics, columns,
+                                       title=f"{name}: {len(seeds)} seeds; common: {common}",
                                        log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True,
                                        launch=compare.Launch(self.jobs))
         return {key: runs for key, runs in zip(settings, results.values())}

@@ -134,12 +134,14 @@ def run_in_worker(argv: list) -> dict:
         raise RuntimeError(f"train.py {shlex.join(argv)} failed: {type(e).__name__}: {e}") from None
 
 
-def run_setting(argv: list, seeds: int, out: Path, overwrite: bool = False, launch: Launch = Launch()) -> list[dict]:
-    """Every seed of one setting; "{seed}" in a flag becomes the seed (a second stage's
-    --init-from RUN/s{seed} starts each seed from the first stage's run of the same seed)."""
+def run_setting(argv: list, seeds: int | range, out: Path, overwrite: bool = False,
+                launch: Launch = Launch()) -> list[dict]:
+    """Every seed of one setting (seeds: a count from 0, or a range); "{seed}" in a flag becomes
+    the seed (a second stage's --init-from RUN/s{seed} starts each seed from the first stage's
+    run of the same seed)."""
     runs = [[a.replace("{seed}", str(seed)) for a in argv] + ["--seed", str(seed), "--out", str(out / f"s{seed}"),
                                                              "--quiet"] + ["--overwrite"] * overwrite
-            for seed in range(seeds)]
+            for seed in (range(seeds) if isinstance(seeds, int) else seeds)]
     if launch.jobs == 1:                            # in this (main) thread: Ctrl-C stops a run cleanly
         return [run_one(r, launch) for r in runs]
     with ThreadPoolExecutor(launch.jobs) as waiters:    # threads that each wait on a worker or process
@@ -292,7 +294,7 @@ def main(argv=None):
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 
-def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("eval_best_rate",),
+def run_settings(settings: list, common: str, seeds: int | range, out: Path, metrics=("eval_best_rate",),
                  columns=(), title: str = "", log=print, overwrite: bool = False, launch: Launch = Launch()) -> dict:
     """Run every setting over seeds into out/runs/<setting>/s<seed>/ (overwrite: replacing the
     runs there); write out/table.md, out/summaries.json and out/compare.png; return
@@ -307,7 +309,7 @@ def run_settings(settings: list, common: str, seeds: int, out: Path, metrics=("e
     (out / "table.md").write_text(table(results, columns) + "\n")
     (out / "summaries.json").write_text(json.dumps(results, indent=1))
     first = json.loads((Path(next(iter(results.values()))[0]["out"]) / "config.json").read_text())
-    title = title or f"{seeds} seeds; common: {common or 'defaults'}"
+    title = title or f"{len(results[next(iter(results))])} seeds; common: {common or 'defaults'}"
     figure(results, out / "compare.png", f"{title}; {plots.made_by(first)}", metrics)
     return results
 

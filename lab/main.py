@@ -29,13 +29,15 @@ from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
 from lab.report003 import kl_range, rce_grpo
 from lab import real
+from lab.collapse import collapse_rate, entropy_collapse, mismatch
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
                "curriculum": curriculum, "entropy": entropy,
-               "monitor": monitor_warning}
-NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"]}          # experiments whose runs another one reads
+               "monitor": monitor_warning,
+               "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse, "mismatch": mismatch}
+NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
 def summary_md(results: dict) -> str:
