@@ -28,7 +28,7 @@ from lab.report000 import critic, curriculum, tools
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
 from lab.report003 import kl_range, rce_grpo
-from lab import real
+from lab import real, real_collapse
 from lab.collapse import collapse_rate, entropy_collapse, mismatch
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling, "critic": critic,
@@ -37,6 +37,7 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "curriculum": curriculum, "entropy": entropy,
                "monitor": monitor_warning,
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse, "mismatch": mismatch}
+REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
 NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
@@ -79,19 +80,19 @@ def main(argv=None):
         if problem:
             p.error(f"--model: {problem}")
     if args.list:
-        for name, fn in {**EXPERIMENTS, **real.EXPERIMENTS}.items():
+        for name, fn in {**EXPERIMENTS, **REAL}.items():
             print(f"{name:18s} {fn.__doc__.strip().splitlines()[0]}")
         return
-    unknown = [n for n in args.names if n not in EXPERIMENTS and n not in real.EXPERIMENTS]
+    unknown = [n for n in args.names if n not in EXPERIMENTS and n not in REAL]
     if unknown:
-        p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *real.EXPERIMENTS])}")
+        p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *REAL])}")
     out = args.out or Path("runs/lab-quick" if args.quick else
                            f"results/{args.model.replace('/', '_')}" if args.model else "results")
     if not checks.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
-    if args.model and not args.quick and all(n in real.EXPERIMENTS for n in args.names):
+    if args.model and not args.quick and all(n in REAL for n in args.names):
         return real_lab(args, out)
-    if any(n in real.EXPERIMENTS for n in args.names):
+    if any(n in REAL for n in args.names):
         p.error("the real_* experiments need --model (and no --quick)")
     names = args.names or list(EXPERIMENTS)
     names = [n for n in EXPERIMENTS if n in names or any(n in NEEDS.get(m, []) for m in names)]
@@ -112,7 +113,7 @@ def real_lab(args, out: Path) -> None:
     """lab/real.py's experiments on args.model: the runs left and their estimated time first;
     each finished run kept, so a second call continues where the first stopped."""
     lab = real.RealLab(out, args.model)
-    names = args.names or list(real.EXPERIMENTS)
+    names = args.names or list(REAL)
     left, seconds = real.estimate(lab, names)
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
           f"{seconds / 3600:.1f} h on this machine (estimated from COST in lab/real.py)", flush=True)
@@ -120,10 +121,10 @@ def real_lab(args, out: Path) -> None:
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)
-        entry = dict(real.EXPERIMENTS[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
+        entry = dict(REAL[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
                      seeds=lab.seeds, quick=False)
         print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
-        record(out, name, entry, order=list(real.EXPERIMENTS))
+        record(out, name, entry, order=list(REAL))
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 
 

@@ -33,11 +33,12 @@ COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly
 # (experiment, label) -> train.py flags ({stage1}: that seed's stage-1 run). Micro-batches of
 # one group (K sequences; two episodes on the tool task) keep the peak memory of a step under
 # 4 GB (docs/performance.md) and each prompt encoded once (shared_prefix.py).
+K8 = "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8"
 SETTINGS = {
     "real_group_size": {
         "K=2, B=3": "--k 2 --batch 3 --norm group --steps 30",
-        "K=8, B=3": "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8",
-        "K=8, B=3, entropy bonus 0.01": "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8 --entropy-coef 0.01",
+        "K=8, B=3": K8,
+        "K=8, B=3, entropy bonus 0.01": f"{K8} --entropy-coef 0.01",
     },
     "real_tools": {
         "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
@@ -48,6 +49,16 @@ SETTINGS = {
         "RCE-only": "--reward composite --algo rce --k 4 --batch 3 --steps 30 --micro-batch 4",
         "RCE (stage 1)": "--reward composite --algo rce --k 4 --batch 3 --steps 15 --save-every 15 --micro-batch 4",
         "RCE -> GRPO": "--reward composite --k 4 --batch 3 --steps 15 --init-from {stage1} --micro-batch 4",
+    },
+    # issue 35 (lab/real_collapse.py): real_group_size's K=8/B=3 runs are the baseline of both
+    "real_entropy_collapse": {label: f"{K8} {fix}" for label, fix in {
+        "clip-higher": "--clip-eps-high 0.28", "CISPO": "--policy-loss cispo", "Clip-Cov": "--policy-loss clip-cov",
+        "KL-Cov": "--policy-loss kl-cov", "80/20": "--top-entropy-quantile 0.2",
+        "adaptive entropy": "--entropy-target 0.2"}.items()},
+    "real_mismatch": {
+        "bf16 sampler": f"{K8} --rollout-dtype bf16",
+        "bf16 + TIS": f"{K8} --rollout-dtype bf16 --rollout-correction tis",
+        "bf16 + ICEPOP": f"{K8} --rollout-dtype bf16 --rollout-correction mis",
     },
 }
 # seconds per sequence-step and per evaluation, from `python -m lab.bench --model smollm2-135m`

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 LESSONS = ("advantages", "dynamic_sampling", "grpo", "kl", "logprobs", "ppo", "rce", "rewards", "rollout",
-           "shared_prefix", "surrogates",
+           "shared_prefix", "surrogates", "entropy_control", "mismatch",
            "tool_env", "update")
 MACHINERY = ("running", "tasks", "models", "lab")
 ALLOWED = {"torch", "transformers", *LESSONS, *sys.stdlib_module_names}
