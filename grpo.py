@@ -224,6 +224,9 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
         per_token = per_token - hp.entropy_coef * entropy
     # approx_kl = E[(ratio - 1) - log ratio]: k3 of KL(old || new), how far this update moved (CleanRL)
     approx_kl = kl.estimate(old_logp, logp.detach(), "k3")                     # (n, C)
+    if mask.any():                              # the token ratio's extremes (update.EXTREMES)
+        token_ratio = torch.exp(logp.detach() - old_logp)[mask.bool()]
+        sums.update(ratio_min=token_ratio.min().item(), ratio_max=token_ratio.max().item())
     sums.update(entropy=(entropy.detach() * mask).sum().item(),
                 clip_frac=(clipped.float() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item(),
                 clip_frac_low=(low.float() * mask).sum().item(), clip_frac_high=(high.float() * mask).sum().item())

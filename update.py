@@ -89,6 +89,18 @@ def optimizer_step(optimizer, max_grad_norm: float, loss: float) -> tuple[float,
     return norms[0], nonfinite
 
 
+EXTREMES = {"ratio_min": min, "ratio_max": max}      # reduced by min / max over micro-batches and ranks
+
+
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    """x's elementwise maximum over every process; x itself in one process."""
+    if world_size() == 1:
+        return x
+    y = x.detach().clone().to("cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+    torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.MAX)
+    return y.to(x.device)
+
+
 class UpdateStats:
     """What an update reports: token means of the last epoch's per-token sums, the mean loss
     and gradient norm over its mini-batches, and counts over every epoch. Under torchrun the
@@ -103,10 +115,14 @@ class UpdateStats:
         self.epochs_run += 1
 
     def add(self, loss: float, sums: dict, mask: torch.Tensor) -> None:
-        """One micro-batch: its loss, its per-token sums, and its policy tokens (mask)."""
+        """One micro-batch: its loss, its per-token sums (ratio_min / ratio_max: extremes), and
+        its policy tokens (mask)."""
         self.minibatch_loss += loss
         for key, v in dict(sums, tokens=mask.sum().item()).items():
-            self.sums[key] = self.sums.get(key, 0.0) + v
+            if key in EXTREMES:
+                self.sums[key] = EXTREMES[key](self.sums.get(key, v), v)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + v
 
     def stepped(self, grad_norm: float, nonfinite: list) -> None:
         """One mini-batch, after optimizer_step."""
@@ -124,11 +140,16 @@ class UpdateStats:
         return self.minibatch_loss
 
     def end_epoch(self) -> None:
-        keys = sorted(self.sums)
+        keys = sorted(k for k in self.sums if k not in EXTREMES)
         totals = all_sum(torch.tensor([self.sums[key] for key in keys], dtype=torch.float64))
-        self.sums = dict(zip(keys, totals.tolist()))
+        low, high = self.sums.get("ratio_min", math.inf), self.sums.get("ratio_max", -math.inf)
+        low, high = all_max(torch.tensor([-low, high], dtype=torch.float64)).tolist()     # min = -max(-x)
+        self.sums = dict(zip(keys, totals.tolist()), **({"ratio_min": -low, "ratio_max": high}
+                                                        if math.isfinite(high) else {}))
 
     def mean(self, key: str) -> float:
+        if key in EXTREMES:                       # not a mean: the epoch's extreme
+            return self.sums[key]
         return self.sums.get(key, 0.0) / max(self.sums["tokens"], 1)
 
     def result(self) -> dict:

@@ -29,10 +29,17 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               with A > 0; dual-clip's cap counts as high; cispo: r > its cap;
                               gmpo: a clipped log-ratio; sapo: r outside [0.8, 1.2], nothing held):
                               TRL's clip_ratio/low_mean and clip_ratio/high_mean (surrogates.py)
+    ratio_min, ratio_max      the token ratio exp(logp - logp_old) at its lowest and highest over the
+                              last epoch's policy tokens (every rank's): 1 and 1 with one epoch
+                              under --fast, where the update's forward is the old policy
+    entropy_coef_adaptive     --entropy-target: the bonus's weight for the next step (entropy_control.py)
+    sampling/*                the rollout/training mismatch, TRL's names (mismatch.diagnostics):
+                              logged with --log-mismatch or any --rollout-* flag
     update_skipped            why the step took no update, or null: non_finite_reward,
                               no_group_kept (--dynamic-sampling), no_signal (GRPO, every
-                              advantage 0, no KL or entropy term), all_fallback
-                              (--skip-all-fallback): train.why_no_update
+                              advantage 0, no KL or entropy term), all_truncated (--mask-truncated,
+                              every completion cut), all_fallback (--skip-all-fallback):
+                              train.why_no_update
     steps_taken               optimizer steps applied this step (epochs x mini-batches,
                               minus skipped ones)
     epochs_run                epochs actually run (fewer when --target-kl stopped them)
@@ -172,7 +179,7 @@ def no_rollout(task) -> dict:
 def no_update(*nonfinite) -> dict:
     """The update statistics of a step without an update (nonfinite: why it was skipped)."""
     return dict(loss=None, entropy=None, clip_frac=None, clip_frac_low=None, clip_frac_high=None,
-                approx_kl=None, grad_norm=None, steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
+                ratio_min=None, ratio_max=None, approx_kl=None, grad_norm=None, steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
 
 
 def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:

@@ -64,3 +64,19 @@ def test_a_step_whose_every_group_has_one_reward_says_so_once(tmp_path, capsys):
     assert len(flat) >= 2, "this tiny, barely warmed-up model writes one thing per prompt (the premise)"
     assert err.count("got the same reward, so every advantage is 0") == 1
     assert f"step {flat[0]}: every group's" in err
+
+
+def test_the_ratio_extremes_are_the_whole_batchs_over_its_micro_batches():
+    """ratio_min / ratio_max of an update (one epoch, lr 0) are the min and max of
+    exp(logp - logp_old) over every policy token of the batch, by a plain forward, though the
+    update saw them three sequences at a time."""
+    model = tiny_model()
+    batch = synthetic_batch(model)
+    with torch.no_grad():
+        logp, _ = logprobs.completion_logprobs(model, batch.tokens())
+    ratio = torch.exp(logp - batch.old_logp)[batch.completion_mask.bool()]
+    stats = update.update(logprobs.Scorer(model), torch.optim.SGD(model.parameters(), lr=0.0), batch,
+                          grpo.HyperParams(mini_batch=8, micro_batch=3), grpo.loss)
+    assert stats["ratio_min"] == pytest.approx(ratio.min().item(), rel=1e-5)
+    assert stats["ratio_max"] == pytest.approx(ratio.max().item(), rel=1e-5)
+    assert stats["ratio_min"] < 1 < stats["ratio_max"]

@@ -50,7 +50,8 @@ ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
 # 35's clip_frac_low / clip_frac_high, clip_frac split by side, and TRL's completion lengths.
 MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty", "update_skipped", "eval_one_answer",
                   "clip_frac_low", "clip_frac_high", "completions/mean_length", "completions/min_length",
-                  "completions/max_length", "completions/mean_terminated_length", "completions/clipped_ratio"}
+                  "completions/max_length", "completions/mean_terminated_length", "completions/clipped_ratio",
+                  "ratio_min", "ratio_max"}
 
 
 def run(name: str, tmp: Path) -> list[dict]:
