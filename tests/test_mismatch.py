@@ -223,3 +223,12 @@ def test_bad_mismatch_settings_are_refused_in_one_line(argv, message, tmp_path, 
         config.parse_config(quick(tmp_path, "bad", *argv))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_under_fast_the_old_log_probs_come_before_the_update_when_a_mismatch_is_weighed(tmp_path):
+    """--fast takes pi_old from the update's own forward; the weight pi_old / mu must exist
+    before the update, so a run that records the sampler's log-probs scores pi_old first."""
+    from running import config
+    assert config.parse_config(quick(tmp_path, "f", "--fast")).reuse_old_logp
+    assert not config.parse_config(quick(tmp_path, "g", "--fast", "--log-mismatch")).reuse_old_logp
+    assert not config.parse_config(quick(tmp_path, "h", "--fast", "--rollout-correction", "tis")).reuse_old_logp
