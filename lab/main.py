@@ -1,8 +1,9 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all thirteen experiments, 6 seeds per setting (README: its time)
+    python -m lab                        # all seventeen experiments, 6 seeds per setting (20 for the
+                                         # collapse experiments; docs/lab-notebook.md: its time)
     python -m lab group_norm tools       # some of them
-    python -m lab --quick                # all thirteen, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python -m lab --quick                # all seventeen, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
     python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
                                          # into results/smollm2-135m; stop it and run it again to continue
@@ -29,14 +30,15 @@ from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
 from lab.report003 import kl_range, rce_grpo
 from lab import real, real_collapse
-from lab.collapse import collapse_rate, entropy_collapse, mismatch
+from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
                "curriculum": curriculum, "entropy": entropy,
                "monitor": monitor_warning,
-               "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse, "mismatch": mismatch}
+               "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
+               "entropy_collapse_epochs": entropy_collapse_epochs, "mismatch": mismatch}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
 NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
@@ -45,7 +47,7 @@ def summary_md(results: dict) -> str:
     head = ("# What the reports claimed, and what the lab measured\n\n"
             "Written by `python -m lab`; each entry says when it was measured and with how many seeds "
             "per setting. Each verdict is computed from the numbers by the rule written next to its "
-            "experiment in lab/report00N.py.\n")
+            "experiment in lab/report00N.py or lab/collapse.py (lab/real.py, lab/real_collapse.py on a real model).\n")
     parts = [head]
     for name, r in results.items():
         fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
