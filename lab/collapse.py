@@ -14,9 +14,11 @@ so a rate of one run in twenty is seen at all.
 """
 import json
 import math
+from pathlib import Path
 
 from lab import compare
 from lab.common import Lab, mean, metric_rows
+from running import plots
 
 SEEDS = range(100, 120)
 ONE_ANSWER, VALID, BEST = 0.9, 0.9, 0.6       # the collapse rule's thresholds (above)
@@ -148,8 +150,9 @@ def fixes_entry(lab: Lab, name: str, runs: dict, base: str, least: int, fewer: i
     which cost the task."""
     write_table(lab, name, runs)
     base_runs = runs["baseline (defaults)"]
+    first = json.loads((Path(base_runs[0]["out"]) / "config.json").read_text())
     compare.figure(runs, lab.dir(name) / "compare.png",
-                   f"{name}: {len(base_runs)} seeds from {SEEDS.start}, {base} + one fix each",
+                   f"{name}: {len(base_runs)} seeds from {SEEDS.start}, {base} + one fix each; {plots.made_by(first)}",
                    ("entropy", "eval_best_rate", "eval_one_answer"))
     h = {n: mean(end_entropy(x) for x in rs) for n, rs in runs.items()}
     best = {n: mean(x["eval_best_rate_end"] for x in rs) for n, rs in runs.items()}
