@@ -68,7 +68,7 @@ class RolloutPolicy:
     `stale` steps sample fresher ones."""
 
     def __init__(self, dtype: str = "same", stale: int = 0, temperature: float = 0.0):
-        self.dtype, self.copy, self.temperature = DTYPES.get(dtype, torch.float32), None, temperature
+        self.dtype, self.copy, self.temperature = DTYPES.get(dtype), None, temperature   # None: the policy's
         self.own_copy = dtype != "same" or stale > 0
         self.history = deque(maxlen=stale + 1)
 
@@ -81,10 +81,13 @@ class RolloutPolicy:
 
     def sampler(self, model: nn.Module) -> nn.Module:
         """The copy, holding the weights to sample with this step."""
-        self.history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         if self.copy is None:
-            self.copy = copy.deepcopy(model).to(self.dtype).eval()
+            self.copy = copy.deepcopy(model).to(self.dtype or next(model.parameters()).dtype).eval()
             self.copy.requires_grad_(False)
+        if self.history.maxlen == 1:                           # not stale: this step's weights, no copy kept
+            self.copy.load_state_dict(model.state_dict())
+            return self.copy
+        self.history.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         self.copy.load_state_dict(self.history[0])             # the oldest kept: `stale` updates ago
         return self.copy
 
