@@ -98,3 +98,16 @@ def test_same_metrics_finds_a_changed_number_and_ignores_seconds(tmp_path, capsy
     assert same_metrics.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
     assert same_metrics.main([str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")]) == 1
     assert "step 1.loss" in capsys.readouterr().out
+
+
+def test_the_collapse_rule_and_its_interval_by_hand():
+    """lab/collapse.py's rule on hand-made summaries, and the Wilson interval of 0/20 by hand:
+    upper bound z^2 / (n + z^2) = 3.8416 / 23.8416 = 0.161."""
+    from lab.collapse import collapsed, rate
+    one_answer = dict(eval_one_answer_end=0.95, eval_valid_rate_end=1.0, eval_best_rate_end=0.25)
+    wrong_but_valid = dict(eval_one_answer_end=0.3, eval_valid_rate_end=0.95, eval_best_rate_end=0.5)
+    off_format = dict(eval_one_answer_end=0.3, eval_valid_rate_end=0.5, eval_best_rate_end=0.5)
+    learned = dict(eval_one_answer_end=0.25, eval_valid_rate_end=0.99, eval_best_rate_end=0.98)
+    assert [collapsed(r) for r in (one_answer, wrong_but_valid, off_format, learned)] == [True, True, False, False]
+    assert rate([learned] * 20) == "0/20 (0%, 95% interval 0-16%)"
+    assert rate([one_answer] * 10 + [learned] * 10).startswith("10/20 (50%, 95% interval 30-70%)")
