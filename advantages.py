@@ -64,12 +64,22 @@ def world_size() -> int:
 
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over every process (a new tensor on x's device); x itself in one process.
-    nccl (GPUs) sums tensors on the GPU, gloo (CPUs) on the CPU."""
+    """x summed over every process (a new tensor on x's device); x itself in one process."""
+    return all_reduce(x, dist.ReduceOp.SUM)
+
+
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    """x's elementwise maximum over every process; x itself in one process."""
+    return all_reduce(x, dist.ReduceOp.MAX)
+
+
+def all_reduce(x: torch.Tensor, op) -> torch.Tensor:
+    """x reduced by op over every process. nccl (GPUs) reduces tensors on the GPU, gloo (CPUs)
+    on the CPU."""
     if world_size() == 1:
         return x
     y = x.detach().clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    dist.all_reduce(y, op=op)
     return y.to(x.device)
 
 

@@ -195,7 +195,7 @@ def format_reward(episode: list, texts: list) -> float:
     return stages / 4
 
 
-# ---- DAPO's overlong reward shaping ----
+# ---- DAPO's overlong reward shaping, and overlong filtering ----
 
 def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0) -> float:
     """DAPO's soft length penalty (verl's overlong_buffer, TRL's get_soft_overlong_punishment):
@@ -206,7 +206,6 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0
     that runs into the limit is told so before it is cut, instead of being scored on a text
     that stops mid-answer. length: the completion's policy tokens."""
     return min(0.0, ((max_len - buffer) - length) / buffer) * factor
-
 
 
 def mask_truncated(batch) -> None:

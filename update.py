@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 import kl
-from advantages import all_sum, world_size
+from advantages import all_max, all_sum, world_size
 
 
 @dataclass
@@ -90,15 +90,6 @@ def optimizer_step(optimizer, max_grad_norm: float, loss: float) -> tuple[float,
 
 
 EXTREMES = {"ratio_min": min, "ratio_max": max}      # reduced by min / max over micro-batches and ranks
-
-
-def all_max(x: torch.Tensor) -> torch.Tensor:
-    """x's elementwise maximum over every process; x itself in one process."""
-    if world_size() == 1:
-        return x
-    y = x.detach().clone().to("cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
-    torch.distributed.all_reduce(y, op=torch.distributed.ReduceOp.MAX)
-    return y.to(x.device)
 
 
 class UpdateStats:

@@ -45,7 +45,7 @@ def validate(cfg):
          f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} "
          + ("has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)"))
     for name, algos in USED_BY.items():            # a flag acts in every algorithm that accepts it
-        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        default = default_of(cfg, name)
         need(cfg.algo in algos or getattr(cfg, name) == default, name.replace("_", "-"),
              f"only --algo {' and '.join(algos)} {'uses' if len(algos) == 1 else 'use'} it; --algo {cfg.algo} "
              f"would ignore it (leave it at {default!r})")
@@ -196,7 +196,7 @@ def policy_loss_checks(cfg, need) -> None:
     sequence not with PPO's per-token advantages."""
     for name, losses in KNOB_OF.items():
         flag, value = name.replace("_", "-"), getattr(cfg, name)
-        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        default = default_of(cfg, name)
         need(value > (1 if name == "dual_clip_c" else 0), flag,
              f"must be > {1 if name == 'dual_clip_c' else 0}, got {value}")
         need(cfg.policy_loss in losses or value == default, flag,
@@ -204,7 +204,7 @@ def policy_loss_checks(cfg, need) -> None:
              f"--policy-loss {cfg.policy_loss} would ignore it")
     need(cfg.cov_ratio <= 1, "cov-ratio", f"is a share of the tokens, at most 1, got {cfg.cov_ratio}")
     for name in ("clip_cov_lb", "clip_cov_ub"):
-        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        default = default_of(cfg, name)
         need(cfg.policy_loss == "clip-cov" or getattr(cfg, name) == default, name.replace("_", "-"),
              f"only --policy-loss clip-cov reads it; --policy-loss {cfg.policy_loss} would ignore it")
     need(cfg.clip_cov_lb < cfg.clip_cov_ub, "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), "
@@ -220,12 +220,17 @@ def policy_loss_checks(cfg, need) -> None:
          f"not a ratio the others take")
     knob = "/--".join(name.replace("_", "-") for name, losses in KNOB_OF.items() if cfg.policy_loss in losses)
     for name in ("clip_eps", "clip_eps_high"):
-        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        default = default_of(cfg, name)
         need(cfg.policy_loss in ("clip", "dual-clip", "clip-cov") or getattr(cfg, name) == default, name.replace("_", "-"),
              f"bounds PPO's clip; --policy-loss {cfg.policy_loss} has its own knob (--{knob})")
     need(cfg.policy_loss != "gmpo" or cfg.algo == "grpo", "policy-loss",
          f"gmpo weighs a sequence by one advantage; --algo {cfg.algo} gives "
          + ("one per token (GAE)" if cfg.algo == "ppo" else "no ratio at all"))
+
+
+def default_of(cfg, name: str):
+    """The default of a configuration field (what the command line gives when the flag is absent)."""
+    return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
 
 
 def entropy_control_checks(cfg, need) -> None:
@@ -235,8 +240,8 @@ def entropy_control_checks(cfg, need) -> None:
     need(cfg.entropy_coef_delta > 0, "entropy-coef-delta", f"must be > 0, got {cfg.entropy_coef_delta}")
     need(cfg.entropy_target == 0 or cfg.entropy_coef_max >= cfg.entropy_coef, "entropy-coef-max",
          f"must be >= --entropy-coef {cfg.entropy_coef}, got {cfg.entropy_coef_max}")
-    for name, default in (("entropy_coef_delta", 0.005), ("entropy_coef_max", 1.0)):
-        need(cfg.entropy_target > 0 or getattr(cfg, name) == default, name.replace("_", "-"),
+    for name in ("entropy_coef_delta", "entropy_coef_max"):
+        need(cfg.entropy_target > 0 or getattr(cfg, name) == default_of(cfg, name), name.replace("_", "-"),
              "only adaptive entropy control reads it; give --entropy-target too")
     need(cfg.entropy_target == 0 or cfg.entropy_coef_end == -1, "entropy-coef-end",
          "a decay schedule and --entropy-target would both set the bonus's weight; give one")
@@ -251,10 +256,10 @@ def mismatch_checks(cfg, need) -> None:
     need(cfg.rollout_c_max > 1, "rollout-c-max", f"must be > 1 (a weight of 1 is on-policy), got {cfg.rollout_c_max}")
     need(0 < cfg.rollout_c_min < 1, "rollout-c-min", f"must be in (0, 1), got {cfg.rollout_c_min}")
     for name in ("rollout_correction_level", "rollout_c_min", "rollout_c_max"):
-        default = next(f.default for f in dataclasses.fields(cfg) if f.name == name)
+        default = default_of(cfg, name)
         need(cfg.rollout_correction != "none" or getattr(cfg, name) == default, name.replace("_", "-"),
              "only --rollout-correction tis or mis reads it")
-    need(cfg.rollout_correction == "mis" or cfg.rollout_c_min == 0.5, "rollout-c-min",
+    need(cfg.rollout_correction == "mis" or cfg.rollout_c_min == default_of(cfg, "rollout_c_min"), "rollout-c-min",
          f"only --rollout-correction mis drops tokens below a floor; {cfg.rollout_correction} would ignore it")
     need(cfg.task != "tools" or not cfg.rollout_logprobs, "task",
          "the tool task's multi-turn episodes do not record the sampler's log-probs that --rollout-*/--log-mismatch "

@@ -152,8 +152,8 @@ def mismatch_metrics(batch) -> dict:
     sampler's log-probs are from the policy's recomputed ones, and the correction's weight."""
     mask = batch.completion_mask.bool()                                              # (N, C)
     log_w = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "token")  # (N, C)
-    seq = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "sequence")[:, :1]   # (N, 1)
-    p = distributed.concat(dict(tokens=log_w[mask], seqs=seq[mask.any(1), 0],
+    seq = log_w.sum(1) / mask.sum(1).clamp_min(1)                                    # (N,) mean log w
+    p = distributed.concat(dict(tokens=log_w[mask], seqs=seq[mask.any(1)],
                                 weights=batch.is_weight[mask] if batch.is_weight is not None else None))
     return mismatch.diagnostics(p["tokens"], p["seqs"], p["weights"])
 
@@ -179,7 +179,8 @@ def no_rollout(task) -> dict:
 def no_update(*nonfinite) -> dict:
     """The update statistics of a step without an update (nonfinite: why it was skipped)."""
     return dict(loss=None, entropy=None, clip_frac=None, clip_frac_low=None, clip_frac_high=None,
-                ratio_min=None, ratio_max=None, approx_kl=None, grad_norm=None, steps_taken=0, skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
+                ratio_min=None, ratio_max=None, approx_kl=None, grad_norm=None, steps_taken=0,
+                skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
 
 
 def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:

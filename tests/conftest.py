@@ -60,6 +60,17 @@ def synthetic_batch(model, n=8, p_len=4, c_len=6, eos=1, seed=0) -> Rollout:
     return batch
 
 
+def assert_refused_in_one_line(tmp_path, capsys, argv: list, message: str) -> None:
+    """train.py's flags (quick's, plus argv) exit 2 before any work, with one line on stderr
+    that holds message."""
+    import pytest
+    from running import config
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(quick(tmp_path, "bad", *argv))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
 def quick(tmp_path, name, *extra):
     """train.py flags for a few steps with a small warm-up, cached in tmp_path."""
     return ["--steps", "3", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",

@@ -9,7 +9,7 @@ import torch
 
 import grpo
 import rewards
-from conftest import quick, synthetic_batch, tiny_model
+from conftest import assert_refused_in_one_line, quick, synthetic_batch, tiny_model
 from entropy_control import AdaptiveEntropy
 
 
@@ -84,11 +84,7 @@ def test_a_run_applies_what_the_controller_says_and_a_resume_continues_it(tmp_pa
     (["--entropy-target", "0.3", "--algo", "rce"], "--entropy-target: only --algo grpo and ppo use it"),
 ])
 def test_bad_entropy_control_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
-    from running import config
-    with pytest.raises(SystemExit) as e:
-        config.parse_config(quick(tmp_path, "bad", *argv))
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert_refused_in_one_line(tmp_path, capsys, argv, message)
 
 
 # ---- DAPO's overlong filtering ----

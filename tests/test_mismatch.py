@@ -11,7 +11,7 @@ import logprobs
 import mismatch
 import rollout
 import tasks
-from conftest import quick, synthetic_batch, tiny_model
+from conftest import assert_refused_in_one_line, quick, synthetic_batch, tiny_model
 from models import policy
 
 
@@ -218,11 +218,7 @@ def test_a_made_mismatch_is_logged_and_corrected(flags, tmp_path):
     (["--rollout-correction", "tis", "--algo", "rce"], "--rollout-correction: only --algo grpo and ppo use it"),
 ])
 def test_bad_mismatch_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
-    from running import config
-    with pytest.raises(SystemExit) as e:
-        config.parse_config(quick(tmp_path, "bad", *argv))
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert_refused_in_one_line(tmp_path, capsys, argv, message)
 
 
 def test_under_fast_the_old_log_probs_come_before_the_update_when_a_mismatch_is_weighed(tmp_path):

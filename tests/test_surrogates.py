@@ -7,7 +7,7 @@ import torch
 
 import grpo
 import surrogates
-from conftest import quick
+from conftest import assert_refused_in_one_line, quick
 
 
 def inputs(seed=0, n=6, c=5):
@@ -282,8 +282,4 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     (["--overlong-buffer", "-1"], "--overlong-buffer: must be in [0, the completion limit 24)"),
 ])
 def test_bad_policy_loss_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
-    from running import config
-    with pytest.raises(SystemExit) as e:
-        config.parse_config(quick(tmp_path, "bad", *argv))
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert_refused_in_one_line(tmp_path, capsys, argv, message)
