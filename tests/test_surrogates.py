@@ -204,6 +204,30 @@ def test_clip_cov_and_kl_cov_touch_only_the_highest_covariance_tokens(name):
 
 
 @pytest.mark.lesson
+def test_at_one_update_per_batch_the_ratio_based_fixes_are_the_plain_policy_gradient():
+    """One update per batch (the lab's real-model runs): old = this forward's log-probs, every
+    ratio is 1, and clip-higher, dual-clip, CISPO, SAPO and KL-Cov all give the gradient of
+    -A log pi, the plain policy gradient, to the last bit of float32: a fix that acts through
+    the ratio needs a second epoch (or a stale sampler) to act at all. Clip-Cov does act: the
+    tokens it draws lose their gradient."""
+    logp, _, adv, mask = inputs(seed=1)
+    old = logp.detach()                                                            # r = 1 everywhere
+    plain = token_mean(-adv.unsqueeze(1) * logp, mask)
+    (g_plain,) = torch.autograd.grad(plain, logp)
+    for name, knobs in [("dual-clip", dict(clip_high=0.28)), ("cispo", {}), ("sapo", {}), ("kl-cov", {})]:
+        (g,) = torch.autograd.grad(ours(name, logp, old, adv, mask, **knobs)[0], logp)
+        torch.testing.assert_close(g * mask, g_plain * mask, rtol=1e-6, atol=1e-7, msg=name)
+    hp = grpo.HyperParams(mini_batch=6, micro_batch=6, clip_high=0.28)          # clip-higher: grpo's own clip
+    surrogate, _ = grpo.clipped_surrogate(torch.exp(logp - old), adv, hp.clip_low, hp.clip_high)
+    (g,) = torch.autograd.grad(token_mean(-surrogate.expand_as(logp), mask), logp)
+    torch.testing.assert_close(g * mask, g_plain * mask, rtol=1e-6, atol=1e-7)
+    torch.manual_seed(0)
+    (g,) = torch.autograd.grad(ours("clip-cov", logp, old, adv, mask, cov_ratio=0.2, clip_cov_lb=0.0)[0], logp)
+    dropped = (g == 0) & (g_plain != 0) & mask.bool()
+    assert dropped.sum() == int(0.2 * mask.sum()), "Clip-Cov takes its tokens out even at r = 1"
+
+
+@pytest.mark.lesson
 def test_the_80_20_mask_trains_only_the_forking_tokens():
     """--top-entropy-quantile 0.2: of ten policy tokens the two of highest entropy keep their
     gradient; the eight near-certain ones get none."""
