@@ -64,30 +64,46 @@ class Launch:
     """How each run is started."""
     jobs: int = 1        # runs at a time, each a process of its own when > 1
     nproc: int = 1       # processes per run: > 1 starts each run under torchrun (running/distributed.py)
+    alone: bool = False  # each run a new process, gone when it ends (its memory freed, its peak its own)
 
 
 def run_one(argv: list, launch: Launch) -> dict:
     """One train.py run (argv includes --seed and --out); its summary. One job of one process:
     in this process. More jobs of one process: in one of launch.jobs worker processes that
     live as long as this one (pool), each with its share of the CPU threads. Several
-    processes per run: train.py under torchrun, a process of its own per run."""
+    processes per run, or launch.alone: train.py in a new process (under torchrun for several)."""
     if launch == Launch():
         summary = train.train(config.parse_config(argv))
-    elif launch.nproc == 1:
+    elif launch.nproc == 1 and not launch.alone:
         summary = pool(launch.jobs).submit(run_in_worker, argv).result()
     else:
-        threads = str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
-        torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.nproc}"]
-        done = subprocess.run([sys.executable, *torchrun, str(Path(__file__).parent.parent / "train.py"), *argv],
-                              env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True)
-        out = Path(argv[argv.index("--out") + 1])
-        if not (out / "summary.json").exists():     # it ended before it could write its summary
-            tail = (done.stderr.strip().splitlines() or ["(nothing)"])[-1]
-            raise RuntimeError(f"train.py {shlex.join(argv)} exited {done.returncode}: {tail}")
-        summary = json.loads((out / "summary.json").read_text())
+        summary = run_in_new_process(argv, launch)
     if summary["interrupted"]:                      # Ctrl-C stopped that run cleanly: stop here too
         raise KeyboardInterrupt(summary["interrupted"])
     return summary
+
+
+def run_in_new_process(argv: list, launch: Launch) -> dict:
+    """train.py argv in a process of its own (under torchrun for launch.nproc > 1), which dies
+    with this one on Linux: a lab killed with kill -9 leaves no run writing behind it."""
+    threads = str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
+    runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.nproc}"] \
+        if launch.nproc > 1 else []
+    done = subprocess.run([sys.executable, *runner, str(Path(__file__).parent.parent / "train.py"), *argv],
+                          env=dict(os.environ, OMP_NUM_THREADS=threads), capture_output=True, text=True,
+                          preexec_fn=die_with_parent if sys.platform == "linux" else None)
+    out = Path(argv[argv.index("--out") + 1])
+    if not (out / "summary.json").exists():         # it ended before it could write its summary
+        tail = (done.stderr.strip().splitlines() or ["(nothing)"])[-1]
+        raise RuntimeError(f"train.py {shlex.join(argv)} exited {done.returncode}: {tail}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def die_with_parent() -> None:
+    """In the child, before train.py starts: Linux sends it SIGKILL when its parent dies."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 # Worker processes, started once and reused by every run: a process's imports (torch,

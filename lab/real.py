@@ -28,6 +28,7 @@ from running import config, plots
 
 SEEDS = 3
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
+ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
 
 # (experiment, label) -> train.py flags ({stage1}: that seed's stage-1 run). Micro-batches of
@@ -100,7 +101,7 @@ class RealLab:
             out.rename(aside)
             log(f"  {name}: {label}, seed {seed}: the run there was made with other flags; kept as {aside.name}")
         t0 = time.time()
-        summary = compare.run_one(argv + ["--overwrite"], compare.Launch())
+        summary = compare.run_one(argv + ["--overwrite"], compare.Launch(alone=ALONE))
         log(f"  {name}: {label}, seed {seed}: done in {time.time() - t0:.0f} s")
         return summary
 
@@ -282,7 +283,7 @@ def real_rce_grpo(lab: RealLab, log=print) -> dict:
     """RCE-only vs RCE -> GRPO vs GRPO-only, composite reward, on SmolLM2 (report 003)."""
     for seed in range(lab.seeds):                   # stage 1's checkpoint is not committed
         if needs_stage1_again(lab, seed):
-            compare.run_one(lab.argv("real_rce_grpo", "RCE (stage 1)", seed) + ["--overwrite"], compare.Launch())
+            compare.run_one(lab.argv("real_rce_grpo", "RCE (stage 1)", seed) + ["--overwrite"], compare.Launch(alone=ALONE))
     runs = {label: lab.runs("real_rce_grpo", label, log) for label in SETTINGS["real_rce_grpo"]}
     write_table(lab, "real_rce_grpo", runs, [
         ("held-out best (end)", "eval_best_rate_end"), ("held-out best (best eval)", "eval_best_rate_best"),

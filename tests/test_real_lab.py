@@ -3,6 +3,11 @@ run is kept and skipped when the lab runs again; one cut short (kill -9: no summ
 an interrupted one) runs again from its beginning; a run whose flags changed runs again; the
 estimate counts only the runs left. (The experiments themselves run on SmolLM2: results/smollm2-135m.)"""
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +20,7 @@ TINY = "--eval-every 2 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1"
 @pytest.fixture
 def lab(tmp_path, monkeypatch):
     monkeypatch.setattr(real, "COMMON", TINY)
+    monkeypatch.setattr(real, "ALONE", False)        # this process (the real lab: one per run, below)
     monkeypatch.setattr(real, "SETTINGS", {"real_group_size": {
         "K=2, B=3": "--k 2 --batch 3 --steps 3", "K=8, B=3": "--k 8 --batch 3 --steps 3",
         "K=8, B=3, entropy bonus 0.01": "--k 8 --batch 3 --steps 3 --entropy-coef 0.01"}})
@@ -71,3 +77,45 @@ def test_a_setting_whose_flags_changed_runs_again(lab, monkeypatch):
     assert len(lab.calls) == 1
     aside = list(lab.out("real_group_size", "K=2, B=3", 0).parent.glob("s0.other-flags-*"))
     assert len(aside) == 1 and (aside[0] / "summary.json").is_file(), "the older run kept aside, not overwritten"
+
+
+def processes_naming(text: str) -> list:
+    """Pids of the live processes whose command line contains text (Linux's /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the child is told to die with its parent by Linux's prctl")
+def test_a_run_in_a_process_of_its_own_matches_this_process_and_dies_with_the_lab(tmp_path):
+    """The real-model lab starts each run as a new process (compare.Launch(alone=True)): its
+    memory is freed when it ends and its peak is its own. It trains as a run in this process
+    does, and a lab killed with kill -9 takes its run with it (nothing left writing into a
+    folder the next lab will start again)."""
+    argv = f"{TINY} --k 2 --batch 2 --steps 2".split()
+    here = compare.run_one(argv + ["--out", str(tmp_path / "here")], compare.Launch())
+    alone = compare.run_one(argv + ["--out", str(tmp_path / "alone")], compare.Launch(alone=True))
+    lines = lambda run: [{k: v for k, v in json.loads(x).items() if k != "seconds"}
+                         for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    assert alone["steps"] == here["steps"] == 2 and lines("alone") == lines("here")
+
+    out = tmp_path / "long"
+    lab = subprocess.Popen([sys.executable, "-c", "import sys; from lab import compare; compare.run_one("
+                            f"{(argv + ['--steps', '100000', '--quiet', '--out', str(out)])!r}, compare.Launch(alone=True))"],
+                           cwd=Path(compare.__file__).parent.parent)
+    deadline = time.time() + 120
+    while not (out / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    child = [pid for pid in processes_naming(str(out)) if pid != lab.pid]
+    assert child, "the run started in a process of its own"
+    os.kill(lab.pid, 9)
+    lab.wait()
+    deadline = time.time() + 30
+    while processes_naming(str(out)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert processes_naming(str(out)) == [], "the run died with the lab"
