@@ -53,17 +53,17 @@ def loss_and_grads(model, batch, share: bool, micro: int = 0, k: int = 4):
     return total, torch.cat(logps), torch.cat(entropies), grads
 
 
-def assert_same(plain, shared, mask):
+def assert_same(plain, shared, mask, tol=1e-5):
     loss, logp, entropy, grads = plain
     loss2, logp2, entropy2, grads2 = shared
     m = mask.bool()
-    assert loss2 == pytest.approx(loss, rel=1e-5)
-    torch.testing.assert_close(logp2[m], logp[m], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(entropy2[m], entropy[m], rtol=1e-5, atol=1e-5)
+    assert loss2 == pytest.approx(loss, rel=tol)
+    torch.testing.assert_close(logp2[m], logp[m], rtol=tol, atol=tol)
+    torch.testing.assert_close(entropy2[m], entropy[m], rtol=tol, atol=tol)
     assert grads.keys() == grads2.keys()
     for name in grads:
         rel = ((grads2[name] - grads[name]).norm() / grads[name].norm().clamp_min(1e-12)).item()
-        assert rel < 1e-5, f"{name}: gradient off by {rel:.2g} relative"
+        assert rel < tol, f"{name}: gradient off by {rel:.2g} relative"
 
 
 @pytest.mark.lesson
@@ -77,6 +77,65 @@ def test_each_prompt_encoded_once_gives_the_plain_forwards_logprobs_loss_and_gra
     assert shared_prefix.worth_it(batch.tokens()._replace(share=True))
     assert not shared_prefix.worth_it(batch.tokens())                    # share off: plain
     assert_same(loss_and_grads(model, batch, False), loss_and_grads(model, batch, True), batch.completion_mask)
+
+
+def system_prompt_batch(model, b=3, k=4, start=shared_prefix.MIN_COMMON_START, seed=0):
+    """b prompts that all begin with the same `start` tokens (a system prompt), then rests of
+    2, 4 and 7 tokens (left-padded), x k samples each."""
+    gen = torch.Generator().manual_seed(seed)
+    common = torch.randint(2, 20, (start,), generator=gen)
+    rests = [torch.randint(2, 20, (n,), generator=gen) for n in (2, 4, 7)[:b]]
+    p_len = start + max(len(r) for r in rests)
+    prompt_ids = torch.zeros(b, p_len, dtype=torch.long)
+    prompt_mask = torch.zeros(b, p_len, dtype=torch.long)
+    for i, rest in enumerate(rests):
+        row = torch.cat([common, rest])
+        prompt_ids[i, p_len - len(row):], prompt_mask[i, p_len - len(row):] = row, 1
+    batch = synthetic_batch(model, n=b * k, p_len=p_len, c_len=7, seed=seed + 1)
+    batch.prompt_ids, batch.prompt_mask = prompt_ids.repeat_interleave(k, 0), prompt_mask.repeat_interleave(k, 0)
+    with torch.no_grad():
+        batch.old_logp, _ = logprobs.completion_logprobs(model, batch.tokens())
+    batch.ref_logp = batch.old_logp - 0.1
+    return batch
+
+
+@pytest.mark.lesson
+def test_a_system_prompt_every_prompt_shares_is_encoded_once_per_batch():
+    """One level more: the start every prompt of the batch shares (the system prompt and chat
+    template: 77 of SmolLM2's ~90 DSL prompt tokens) runs once, each prompt's rest once, each
+    completion once; the cache's columns become [start | padding | rest], the numbers stay the
+    plain forward's. Two layers, so the second reads the first's outputs through the copies."""
+    from transformers import Qwen2ForCausalLM
+    from models import policy
+    torch.manual_seed(5)
+    tok = policy.build_tokenizer([f"w{i}" for i in range(17)])
+    model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 2, 32, num_attention_heads=2, num_key_value_heads=1))
+    batch = system_prompt_batch(model)
+    rows, _ = shared_prefix.distinct_prompts(batch.prompt_ids, batch.prompt_mask)
+    ids, mask = batch.prompt_ids[rows], batch.prompt_mask[rows]
+    assert shared_prefix.common_start(ids, mask) == shared_prefix.MIN_COMMON_START
+    calls = []
+    model.model.register_forward_hook(lambda m, args, kw, out: calls.append(kw["input_ids"].shape), with_kwargs=True)
+    shared = loss_and_grads(model, batch, True)
+    assert calls[0] == (1, shared_prefix.MIN_COMMON_START), "the common start once"
+    assert calls[1] == (3, ids.shape[1] - shared_prefix.MIN_COMMON_START) and calls[2] == (12, 7)
+    assert_same(loss_and_grads(model, batch, False), shared, batch.completion_mask)
+    # a start one token short of MIN_COMMON_START: two levels, the same numbers
+    short = system_prompt_batch(model, start=shared_prefix.MIN_COMMON_START - 1)
+    calls.clear()
+    shared = loss_and_grads(model, short, True)
+    assert calls[0][0] == 3, "each prompt whole, once"
+    assert_same(loss_and_grads(model, short, False), shared, short.completion_mask)
+
+
+def test_common_start_by_hand():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 8, 2]])
+    mask = (ids != 0).long()
+    assert shared_prefix.common_start(ids, mask) == 3                    # 5 6 7
+    assert shared_prefix.common_start(ids[:1], mask[:1]) == 3           # one row: all but its last token
+    assert shared_prefix.common_start(ids[[0, 0]], mask[[0, 0]]) == 3
+    other = torch.tensor([[0, 0, 4, 6, 7, 8], [5, 6, 7, 9, 9, 9]])
+    assert shared_prefix.common_start(other, (other != 0).long()) == 0
 
 
 @pytest.mark.lesson
