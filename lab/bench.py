@@ -283,6 +283,9 @@ def worker(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker == "trl":
         return run_trl(cfg, args.steps, args.bf16, device, args.model)
+    if args.each_prompt_whole:                  # shared_prefix's third level off: no start shared by the batch
+        import shared_prefix
+        shared_prefix.MIN_COMMON_START = 10 ** 9
     return run_ours(cfg, args.steps, args.bf16, not args.plain, device, args.model, not args.no_shared_prefix,
                     args.task)
 
@@ -333,7 +336,8 @@ def bf16_report(args) -> None:
 def launch(args, who: str) -> dict:
     cmd = [sys.executable, "-m", "lab.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
            "--threads", str(args.threads), "--model", args.model, "--task", args.task] + ["--bf16"] * args.bf16 + \
-        ["--plain"] * args.plain + ["--no-shared-prefix"] * args.no_shared_prefix
+        ["--plain"] * args.plain + ["--no-shared-prefix"] * args.no_shared_prefix + \
+        ["--each-prompt-whole"] * args.each_prompt_whole
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         sys.exit(f"python -m lab.bench: the {who} run failed:\n{out.stderr[-3000:]}")
@@ -365,6 +369,9 @@ def main(argv=None):
     p.add_argument("--plain", action="store_true", help="ours without --fast")
     p.add_argument("--no-shared-prefix", action="store_true",
                    help="ours with every sequence encoding its own prompt (shared_prefix.py off)")
+    p.add_argument("--each-prompt-whole", action="store_true",
+                   help="ours with each prompt encoded once, whole: the start every prompt shares (the system "
+                        "prompt) not encoded once for the batch (shared_prefix.encode_prompts)")
     p.add_argument("--task", default="dsl", choices=("dsl", "tools"),
                    help="--model: the DSL task's prompts (even-token reward, as TRL's run) or the tool task's "
                         "episodes (its own reward; not with --vs-trl)")
@@ -428,7 +435,7 @@ def main(argv=None):
           f"step, {'bf16' if args.bf16 else 'fp32'}, {device}; medians of steps {args.warmup + 1}..{args.steps}")
     for i, o in enumerate(ours):
         split = "  ".join(f"{k} {v:.3f}" for k, v in o["split"].items())
-        line = f"  ours{' (plain)' if args.plain else ''}{' (no shared prefix)' if args.no_shared_prefix else ''}: {o['s_per_step']:.3f} s/step  [{split}]  " \
+        line = f"  ours{' (plain)' if args.plain else ''}{' (no shared prefix)' if args.no_shared_prefix else ''}{' (each prompt whole)' if args.each_prompt_whole else ''}: {o['s_per_step']:.3f} s/step  [{split}]  " \
                f"{o['tokens_per_s']:.0f} generated tokens/s  peak {o['peak_mb']:.0f} MB  [peak RSS by phase: " + \
                "  ".join(f"{k} {v:.0f} (+{o['phase_growth_mb'].get(k, 0):.0f})" for k, v in o["phase_peak_mb"].items()) + \
                " MB; (+: above the phase's start)]"
@@ -439,6 +446,7 @@ def main(argv=None):
         print(line)
     result = dict(config=dict(name=args.model or args.config, **cfg, beta=BETA, bf16=args.bf16, fast=not args.plain,
                               task=args.task if args.model else None, shared_prefix=not args.no_shared_prefix,
+                              shared_start=not (args.no_shared_prefix or args.each_prompt_whole),
                               steps=args.steps, warmup=args.warmup, device=device),
                   ours_s_per_step=statistics.median(o["s_per_step"] for o in ours),
                   ours_phase_peak_mb=ours[0]["phase_peak_mb"], ours_phase_growth_mb=ours[0]["phase_growth_mb"],
