@@ -84,7 +84,7 @@ def curriculum(lab: Lab) -> dict:
     third of the steps at 1 benchmark, a third at 2, a third at 3 (schedules.difficulty_at);
     both are evaluated on the long tasks throughout."""
     settings = {"long from the start": "--difficulty 3", "short -> long": "--difficulty 3 --curriculum"}
-    metrics = ("eval_accuracy", "reward_mean", "frac_zero_std_groups", "failure/degenerate")
+    metrics = ("eval_accuracy", "reward_mean", "frac_reward_zero_std", "failure/degenerate")
     # B=4 (the tools experiment's 8 halved) for the lab's time; --quick: a 30-step warm start and B=2
     common = "--task tools --reward sparse --batch 4 --steps 100 --eval-every 20" \
         + " --sft-steps 30 --batch 2" * lab.quick
@@ -95,7 +95,7 @@ def curriculum(lab: Lab) -> dict:
     def over_run(rs, key, part=slice(None)):          # a per-step metric, each run's mean over part of it
         return [mean(x[key] for x in metric_rows(run)[1:][part] if x.get(key) is not None) for run in rs]
     third = slice(0, None if lab.quick else 33)
-    zero = {label: over_run(rs, "frac_zero_std_groups", third) for label, rs in runs.items()}
+    zero = {label: over_run(rs, "frac_reward_zero_std", third) for label, rs in runs.items()}
     degenerate = {label: over_run(rs, "failure/degenerate") for label, rs in runs.items()}
     degenerate_end = {label: [x["eval_failure/degenerate_end"] for x in rs] for label, rs in runs.items()}
     long, cur = acc.values()

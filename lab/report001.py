@@ -85,7 +85,7 @@ def dynamic_sampling(lab: Lab) -> dict:
     plain = ["--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group"]
     with_it = [f"{s} --dynamic-sampling" for s in plain]
     r = lab.sweep("dynamic_sampling", with_it, "--steps 100 --lr 1e-3 --eval-every 20",
-                  ("eval_best_rate", "samples_generated", "frac_zero_std_groups"))
+                  ("eval_best_rate", "samples_generated", "frac_reward_zero_std"))
     base = json.loads((lab.root / "group_norm" / "summaries.json").read_text())
     runs = {}                                  # K=2 without, with; K=8 without, with
     for s, ds in zip(plain, with_it):
@@ -95,7 +95,7 @@ def dynamic_sampling(lab: Lab) -> dict:
     samples = {name: mean(mean(x["samples_generated"] for x in metric_rows(run)[1:]) for run in rs)
                if cfg[name].get("dynamic_sampling") else cfg[name]["k"] * cfg[name]["batch"]
                for name, rs in runs.items()}
-    zero = {name: mean(mean(x["frac_zero_std_groups"] for x in metric_rows(run)[1:]) for run in rs)
+    zero = {name: mean(mean(x["frac_reward_zero_std"] for x in metric_rows(run)[1:]) for run in rs)
             for name, rs in runs.items()}
     lines = ["| setting | held-out best (end) | samples per step | zero-variance groups trained on | s per run |",
              "|---|---|---|---|---|"]

@@ -149,18 +149,18 @@ def say_once(run: Run, row: dict) -> None:
     every completion cut at the token limit (TRL #5697: too short a limit, and reward, loss and
     grad_norm sit at 0), and every group of one reward (TRL #3452: the advantages are all 0,
     every ratio is 1 in the first epoch, so the loss is 0 and nothing is learned). Not with
-    --quiet: metrics.jsonl's completions/clipped_ratio and frac_zero_std_groups keep them."""
+    --quiet: metrics.jsonl's completions/clipped_ratio and frac_reward_zero_std keep them."""
     step, cfg = row["step"], run.cfg
     if row.get("completions/clipped_ratio") == 1.0 and "all_clipped" not in run.said:
         run.said.add("all_clipped")
         run.log(f"step {step}: every completion was cut at --max-new-tokens {config.new_tokens(cfg)} before it "
                  f"ended (no EOS, no stop string): their rewards say little and the policy never learns to stop; "
                  f"raise --max-new-tokens (said once; completions/clipped_ratio in metrics.jsonl)")
-    if row.get("frac_zero_std_groups") == 1.0 and "one_reward" not in run.said:
+    if row.get("frac_reward_zero_std") == 1.0 and "one_reward" not in run.said:
         run.said.add("one_reward")
         run.log(f"step {step}: every group's {cfg.k} samples got the same reward, so every advantage is 0 and "
                  f"this step teaches nothing (a loss of 0 here is expected, not a bug) (said once; "
-                 f"frac_zero_std_groups in metrics.jsonl)")
+                 f"frac_reward_zero_std in metrics.jsonl)")
 
 
 def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:

@@ -76,9 +76,18 @@ def plot_advantages(path: Path, ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batch
     return grid
 
 
+# metrics renamed since runs were kept (old name -> new): a kept run is read under the new names
+RENAMED = {"frac_zero_std_groups": "frac_reward_zero_std"}
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [renamed(json.loads(line)) for line in f if line.strip()]
+
+
+def renamed(row: dict) -> dict:
+    """A metrics row with every old name of RENAMED under its new one (the order kept)."""
+    return {RENAMED.get(k, k): v for k, v in row.items()}
 
 
 def made_by(cfg: dict) -> str:
@@ -112,7 +121,7 @@ def plot_run(run_dir: Path) -> Path:
     ax.legend(fontsize=7)
     ax = axes[1]
     ax.plot(*series("frac_adv_pm1"), label="share |A| = 1")
-    ax.plot(*series("frac_zero_std_groups"), label="share zero-variance groups")
+    ax.plot(*series("frac_reward_zero_std"), label="share zero-variance groups")
     ax.plot(*series("adv_abs_mean"), label="mean |A|")
     ax.plot(*series("frac_adv_negative"), label="share A < 0")
     ax.set(xlabel="step", title="advantages")

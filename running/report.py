@@ -10,7 +10,8 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     frac_adv_negative         share of rollouts with a negative advantage (report 000's
                               explanation of the sparse reward's failure); a PPO rollout's
                               advantage is the mean over its policy tokens
-    frac_zero_std_groups      share of prompts whose K rewards are all equal (no signal)
+    frac_reward_zero_std      share of prompts whose K rewards are all equal (no signal; TRL's
+                              name; frac_zero_std_groups in runs written before 2026-11-25)
     adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark),
                               over the advantages the loss uses: one per rollout (GRPO), one
                               per policy token (PPO)
@@ -134,7 +135,7 @@ def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
     row = dict(reward_mean=r.mean().item() if len(r) else None,
                reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(p["outcomes"]),
                nonfinite_rewards=int((~finite).sum()),
-               frac_zero_std_groups=advantages.frac_zero_std(p["rewards"], hp.k),
+               frac_reward_zero_std=advantages.frac_zero_std(p["rewards"], hp.k),
                adv_abs_mean=p["adv"].abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(p["adv"]),
                frac_adv_negative=(p["seq_adv"] < 0).float().mean().item(),
                kl=p["kl"].mean().item() if p["kl"] is not None else None, kl_coef=hp.beta)

@@ -60,7 +60,7 @@ def test_a_step_whose_every_group_has_one_reward_says_so_once(tmp_path, capsys):
     train.train(config.parse_config(argv))
     rows = [json.loads(line) for line in open(tmp_path / "flat" / "metrics.jsonl")][1:]
     err = capsys.readouterr().err
-    flat = [r["step"] for r in rows if r["frac_zero_std_groups"] == 1.0]
+    flat = [r["step"] for r in rows if r["frac_reward_zero_std"] == 1.0]
     assert len(flat) >= 2, "this tiny, barely warmed-up model writes one thing per prompt (the premise)"
     assert err.count("got the same reward, so every advantage is 0") == 1
     assert f"step {flat[0]}: every group's" in err
@@ -80,3 +80,11 @@ def test_the_ratio_extremes_are_the_whole_batchs_over_its_micro_batches():
     assert stats["ratio_min"] == pytest.approx(ratio.min().item(), rel=1e-5)
     assert stats["ratio_max"] == pytest.approx(ratio.max().item(), rel=1e-5)
     assert stats["ratio_min"] < 1 < stats["ratio_max"]
+
+
+def test_a_run_kept_from_before_the_rename_is_read_under_trls_name(tmp_path):
+    """frac_zero_std_groups became frac_reward_zero_std (TRL's name); the real-model lab keeps
+    runs written before, and reads them under the new name."""
+    from running import plots
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "frac_zero_std_groups": 0.5, "loss": 0.1}) + "\n")
+    assert plots.read_metrics(tmp_path) == [{"step": 1, "frac_reward_zero_std": 0.5, "loss": 0.1}]

@@ -88,7 +88,7 @@ def test_a_run_with_dynamic_sampling_logs_its_rounds_and_trains_on_differing_gro
         assert 1 <= r["sampling_rounds"] <= 3 and r["samples_generated"] == r["sampling_rounds"] * 2 * 4
         assert 0 <= r["groups_kept"] <= 2
         if r["groups_kept"] > 0:
-            assert r["frac_zero_std_groups"] == 0.0, "a kept batch holds no zero-variance group"
+            assert r["frac_reward_zero_std"] == 0.0, "a kept batch holds no zero-variance group"
 
 
 @pytest.mark.lesson

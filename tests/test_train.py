@@ -12,7 +12,7 @@ from tasks import workflow_task
 from conftest import quick
 
 REQUIRED = ["step", "reward_mean", "reward_std", "valid_rate", "best_rate", "fallback_rate",
-            "frac_zero_std_groups", "adv_abs_mean", "frac_adv_pm1", "loss", "kl", "entropy",
+            "frac_reward_zero_std", "adv_abs_mean", "frac_adv_pm1", "loss", "kl", "entropy",
             "grad_norm", "clip_frac", "lr", "updated", "collapsed_after_update", "seconds"]
 
 
