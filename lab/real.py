@@ -66,9 +66,11 @@ SETTINGS = {
         "bf16 + ICEPOP": f"{K8} --rollout-dtype bf16 --rollout-correction mis",
     },
 }
-# seconds per sequence-step and per evaluation, from `python -m lab.bench --model smollm2-135m`
-# (docs/performance.md); only for the estimate printed before the lab starts
-COST = {"dsl": (0.8, 12.0), "tools": (5.5, 60.0)}
+# seconds per step, per sequence of a step and per evaluation; only for the estimate printed
+# before the lab starts. DSL: fitted to real_group_size's fastest K=2 and K=8 runs (632 s, 706 s
+# for 30 steps: a step costs about the same at 6 sequences as at 24); tools: from
+# `python -m lab.bench --model smollm2-135m --task tools` (docs/performance.md)
+COST = {"dsl": (17.0, 0.14, 12.0), "tools": (0.0, 5.5, 60.0)}
 EPOCH_SHARE = 0.7     # of a step, what each epoch after the first repeats: the old log-probs' forward,
                       # the forward and backward, the optimizer (not generate, not the reference)
 WARM_START_SECONDS = {"dsl": 240, "tools": 450}
@@ -154,22 +156,31 @@ def needs_stage1_again(lab: RealLab, seed: int) -> bool:
 
 
 def estimate(lab: RealLab, names: list) -> tuple[int, float]:
-    """(runs left, their estimated seconds): steps x sequences x COST (and EPOCH_SHARE of it
-    again per extra epoch) + evaluations, and a warm start per task not cached yet (counted once)."""
-    left, seconds, tasks_seen = 0, 0.0, set()
+    """(runs left, their estimated seconds): each run's modelled seconds, times the median of
+    measured / modelled over this lab's finished runs of the same task (1 before any finished:
+    the model cannot know how busy the machine is), and a warm start per task with runs left
+    (counted once, though it may be cached already)."""
+    left, modelled_left, ratios = 0, {}, {}
     for name in names:
         for label in SETTINGS.get(name, {}):
             for seed in range(lab.seeds):
-                if finished(lab.argv(name, label, seed)) is not None and not (
-                        label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
-                    continue
                 c = flags(lab.argv(name, label, seed))
-                per_seq, per_eval = COST[c["task"]]
+                kept = finished(lab.argv(name, label, seed))
+                if kept is not None and not (label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
+                    ratios.setdefault(c["task"], []).append(kept["seconds"] / modelled(c))
+                    continue
                 left += 1
-                per_step = c["k"] * c["batch"] * per_seq * (1 + EPOCH_SHARE * (c["epochs"] - 1))
-                seconds += c["steps"] * per_step + (c["steps"] // c["eval_every"] + 1) * per_eval
-                tasks_seen.add(c["task"])
-    return left, seconds + sum(WARM_START_SECONDS[t] for t in tasks_seen)
+                modelled_left[c["task"]] = modelled_left.get(c["task"], 0.0) + modelled(c)
+    seconds = sum(s * (statistics.median(ratios[t]) if ratios.get(t) else 1.0) for t, s in modelled_left.items())
+    return left, seconds + sum(WARM_START_SECONDS[t] for t in modelled_left)
+
+
+def modelled(c: dict) -> float:
+    """A run's seconds by COST: steps x (a step + its sequences), EPOCH_SHARE more per extra
+    epoch, + evaluations."""
+    fixed, per_seq, per_eval = COST[c["task"]]
+    per_step = (fixed + c["k"] * c["batch"] * per_seq) * (1 + EPOCH_SHARE * (c["epochs"] - 1))
+    return c["steps"] * per_step + (c["steps"] // c["eval_every"] + 1) * per_eval
 
 
 # ---- what a run shows ----
