@@ -118,7 +118,7 @@ def real_lab(args, out: Path) -> None:
     names = args.names or list(REAL)
     left, seconds = real.estimate(lab, names)
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
-          f"{seconds / 3600:.1f} h on this machine (estimated from COST in lab/real.py, scaled by the finished runs' measured times)", flush=True)
+          f"{seconds / 3600:.1f} h on this machine with nothing else running (COST in lab/real.py)", flush=True)
     t_all = time.time()
     for name in names:
         t0 = time.time()

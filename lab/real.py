@@ -66,11 +66,12 @@ SETTINGS = {
         "bf16 + ICEPOP": f"{K8} --rollout-dtype bf16 --rollout-correction mis",
     },
 }
-# seconds per step, per sequence of a step and per evaluation; only for the estimate printed
-# before the lab starts. DSL: fitted to real_group_size's fastest K=2 and K=8 runs (632 s, 706 s
-# for 30 steps: a step costs about the same at 6 sequences as at 24); tools: from
-# `python -m lab.bench --model smollm2-135m --task tools` (docs/performance.md)
-COST = {"dsl": (17.0, 0.14, 12.0), "tools": (0.0, 5.5, 60.0)}
+# seconds per step, per sequence of a step and per evaluation, on this project's 2-core CPU with
+# nothing else running; only for the estimate printed before the lab starts. Fitted to the runs
+# the lab kept that ran alone (2026-11-25: real_group_size's K=8 + entropy bonus seed 2, 286 s
+# for 30 steps, median step 7.6 s, and K=2 seed 2's median step 3.9 s; real_tools' sparse seed 1,
+# 337 s for 12 steps); runs beside other work took 2-20x as long (docs/lab-notebook.md)
+COST = {"dsl": (2.7, 0.2, 7.0), "tools": (0.0, 2.3, 30.0)}
 EPOCH_SHARE = 0.7     # of a step, what each epoch after the first repeats: the old log-probs' forward,
                       # the forward and backward, the optimizer (not generate, not the reference)
 WARM_START_SECONDS = {"dsl": 240, "tools": 450}
@@ -156,23 +157,20 @@ def needs_stage1_again(lab: RealLab, seed: int) -> bool:
 
 
 def estimate(lab: RealLab, names: list) -> tuple[int, float]:
-    """(runs left, their estimated seconds): each run's modelled seconds, times the median of
-    measured / modelled over this lab's finished runs of the same task (1 before any finished:
-    the model cannot know how busy the machine is), and a warm start per task with runs left
-    (counted once, though it may be cached already)."""
-    left, modelled_left, ratios = 0, {}, {}
+    """(runs left, their estimated seconds on a quiet machine): each run's modelled seconds, and
+    a warm start per task with runs left (counted once, though it may be cached already)."""
+    left, seconds, tasks_left = 0, 0.0, set()
     for name in names:
         for label in SETTINGS.get(name, {}):
             for seed in range(lab.seeds):
-                c = flags(lab.argv(name, label, seed))
-                kept = finished(lab.argv(name, label, seed))
-                if kept is not None and not (label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
-                    ratios.setdefault(c["task"], []).append(kept["seconds"] / modelled(c))
+                if finished(lab.argv(name, label, seed)) is not None and not (
+                        label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
                     continue
+                c = flags(lab.argv(name, label, seed))
                 left += 1
-                modelled_left[c["task"]] = modelled_left.get(c["task"], 0.0) + modelled(c)
-    seconds = sum(s * (statistics.median(ratios[t]) if ratios.get(t) else 1.0) for t, s in modelled_left.items())
-    return left, seconds + sum(WARM_START_SECONDS[t] for t in modelled_left)
+                seconds += modelled(c)
+                tasks_left.add(c["task"])
+    return left, seconds + sum(WARM_START_SECONDS[t] for t in tasks_left)
 
 
 def modelled(c: dict) -> float:
