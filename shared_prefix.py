@@ -16,9 +16,9 @@ same idea with a Hugging Face model's own KV cache:
        continue after each row's prompt, as in one forward over prompt + completion
 
 One level more (`encode_prompts`): the U prompts of a batch all start with the same system
-prompt and chat template (77 of SmolLM2's ~90 DSL prompt tokens), so step 2 runs that start
+prompt and chat template (73-77 of SmolLM2's ~90 DSL prompt tokens), so step 2 runs that start
 once, copies its keys and values to the U rows, and runs each prompt's rest after it: S + U*R
-tokens instead of U*P (B=4, K=4: the forward's 744 tokens become 513). It applies when a
+tokens instead of U*P (B=4, K=4: the forward's ~740 tokens become ~520). It applies when a
 forward holds several prompts (a micro-batch of several groups), from MIN_COMMON_START shared
 tokens.
 

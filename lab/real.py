@@ -67,13 +67,13 @@ SETTINGS = {
     },
 }
 # seconds per step, per sequence of a step and per evaluation, on this project's 2-core CPU with
-# nothing else running; only for the estimate printed before the lab starts. Fitted to the runs
-# the lab kept that ran alone (2026-11-25: real_group_size's K=8 + entropy bonus seed 2, 286 s
-# for 30 steps, median step 7.6 s, and K=2 seed 2's median step 3.9 s; real_tools' sparse seed 1,
-# 337 s for 12 steps); runs beside other work took 2-20x as long (docs/lab-notebook.md)
+# nothing else running; only for the estimate printed before the lab starts. Fitted to the kept
+# runs that ran alone (their times, and those of runs that shared the machine, are in
+# docs/lab-notebook.md)
 COST = {"dsl": (2.7, 0.2, 7.0), "tools": (0.0, 2.3, 30.0)}
-EPOCH_SHARE = 0.7     # of a step, what each epoch after the first repeats: the old log-probs' forward,
-                      # the forward and backward, the optimizer (not generate, not the reference)
+EPOCH_SHARE = 0.7     # of a step, what each epoch after the first repeats: the forward and backward
+                      # and the optimizer (about half of the bench's step, docs/performance.md), and
+                      # one more forward for the old log-probs (not generate, not the reference)
 WARM_START_SECONDS = {"dsl": 240, "tools": 450}
 
 
