@@ -7,6 +7,7 @@
     python -m lab.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
     python -m lab.bench bf16                                # is bf16 faster than float32 on this machine?
     python -m lab.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
+    python -m lab.decode_floor --model smollm2-135m           # generate against its floor (lab/decode_floor.py)
 
 The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models

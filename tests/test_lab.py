@@ -1,8 +1,13 @@
 """The lab end to end in --quick mode (2 seeds, a few steps): every experiment runs, draws its
-figure and gets a verdict computed from its numbers; and lab/bench.py measures a step."""
+figure and gets a verdict computed from its numbers; lab/bench.py measures a step, and
+lab/decode_floor.py's bare decoding computes what a full forward computes."""
 import json
 
+import torch
+
+import shared_prefix
 from lab import bench
+from lab import decode_floor
 from lab import main as lab
 
 
@@ -26,6 +31,35 @@ def test_bench_measures_a_step_of_ours(tmp_path):
     assert r["ours_s_per_step"] > 0 and r["ours_peak_mb"] > 0 and r["ours_tokens_per_s"] > 0
     assert set(r["ours_split"]) >= {"generate", "reference", "policy_fwd_bwd", "optimizer", "reward"}
     assert r["config"]["name"] == "tiny" and r["config"]["fast"]
+
+
+def test_the_decode_floor_samples_from_the_logits_a_full_forward_gives():
+    """The floor's prefill (the shared start once, each prompt's rest once) and bare decode loop
+    must be the work sampling does: each step's logits equal those of one plain forward over
+    prompt + the tokens sampled so far, with left-padded prompts of two lengths."""
+    model, tok = bench.build(bench.CONFIGS["tiny"])
+    model.eval()
+    start = " ".join(f"w{i}" for i in range(20))                    # shared by both prompts (>= 16 tokens)
+    texts = [start + " w30 w31 w32", start + " w40 w41 w42 w43 w44 w45"]
+    texts = [t for t in texts for _ in range(2)]                     # 2 prompts x 2 rows
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc["input_ids"], enc["attention_mask"]              # (4, P), rows 0-1 left-padded
+    assert (mask[:2] == 0).any() and shared_prefix.common_start(ids, mask) >= 16
+    tokens, logits = decode_floor.decode(model, decode_floor.prefill(model, ids, mask), mask, 5)   # (4, 5), (4, 5, V)
+    full = torch.cat([ids, tokens], 1)                               # (4, P+5)
+    attn = torch.cat([mask, torch.ones_like(tokens)], 1)
+    with torch.no_grad():
+        expected = model(input_ids=full, attention_mask=attn,
+                         position_ids=(attn.cumsum(-1) - 1).clamp_min(0)).logits[:, ids.shape[1] - 1:-1]
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_floor_prints_generate_beside_its_floor(tmp_path, capsys):
+    decode_floor.main(["--repeats", "1", "--json", str(tmp_path / "f.json")])
+    r = json.loads((tmp_path / "f.json").read_text())
+    assert r["steps"] >= 1 and r["rows"] == 64
+    assert r["floor"] == r["seconds"]["prefill"] + r["seconds"]["decode"]
+    assert "generate / floor" in capsys.readouterr().out
 
 
 def test_compare_jobs_runs_seeds_as_processes_and_collects_their_summaries(tmp_path):

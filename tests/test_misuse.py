@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lab import bench
+from lab import decode_floor
 from running import checkpoint
 from lab import compare
 from running import checks
@@ -128,6 +129,9 @@ def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
     exits_2(capsys, lambda: bench.main(["--threads", "100000"]), "--threads")        # it segfaulted torch
     exits_2(capsys, lambda: bench.main(["--json", str(tmp_path)]), "--json")          # a folder, not a file
     exits_2(capsys, lambda: lab.main(["--quick", "--out", str(tmp_path / "file" / "lab")]), "--out")
+    exits_2(capsys, lambda: decode_floor.main(["--repeats", "0"]), "--repeats")
+    exits_2(capsys, lambda: decode_floor.main(["--json", str(tmp_path)]), "--json")
+    exits_2(capsys, lambda: decode_floor.main(["--model", "no-such-model"]), "--model")
 
 
 def test_compare_checks_columns_before_any_run_and_tables_what_is_there(capsys, tmp_path):
