@@ -132,7 +132,7 @@ def test_cispo_keeps_a_gradient_on_a_clipped_token_where_ppos_clip_gives_none():
     (1.2) gives it gradient 0; CISPO gives it -min(r, 5) * A = -3A."""
     old = torch.tensor([[-4.0]])
     logp = (old + torch.log(torch.tensor(3.0))).requires_grad_(True)            # r = 3
-    adv, mask = torch.tensor([1.0]), torch.ones(1, 1)
+    adv = torch.tensor([1.0])
     (g_clip,) = torch.autograd.grad(surrogates.ppo_clip(torch.exp(logp - old), adv, 0.2, 0.2)[0].sum(), logp)
     cispo_loss, _, capped = surrogates.cispo(torch.exp(logp - old), logp, adv, 5.0)
     (g_cispo,) = torch.autograd.grad(cispo_loss.sum(), logp)
