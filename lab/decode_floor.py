@@ -58,7 +58,9 @@ def prefill(model, ids: torch.Tensor, mask: torch.Tensor):
 def decode(model, start, mask: torch.Tensor, steps: int, seed: int = 0):
     """steps tokens sampled from softmax(logits) for each row, from prefill's (cache, cache
     mask, first logits); mask: the (N, P) prompt mask (positions continue after its real
-    tokens). Returns (N, steps) tokens and the (N, steps, V) logits each was drawn from."""
+    tokens). Returns (N, steps) tokens and the (N, steps, V) logits each was drawn from. The LM
+    head runs as the model's own forward runs it (under autocast when that is on), as in
+    generate; a model with logit post-processing (logprobs.head_logits) would need it here too."""
     cache, cache_mask, logits = start
     gen = torch.Generator(device=logits.device).manual_seed(seed)
     position = mask.sum(1, keepdim=True)                                           # (N, 1)
