@@ -102,8 +102,8 @@ def measure(model, tok, cfg: dict, repeats: int, bf16: bool) -> dict:
             prefill=median_seconds(lambda: prefill(model, ids, mask), repeats),
             decode=median_seconds(lambda: decode(model, prefill(model, ids, mask), mask, steps), repeats),
             decode_1_row=median_seconds(lambda: decode(model, prefill(model, ids[:1], mask[:1]), mask[:1], steps), repeats))
-    # decode's figures hold a prefill: take it out (one row's prefill timed alone)
-    one_prefill = median_seconds(lambda: prefill(model, ids[:1], mask[:1]), repeats)
+        # decode's figures hold a prefill: take it out (one row's prefill timed alone, as precise)
+        one_prefill = median_seconds(lambda: prefill(model, ids[:1], mask[:1]), repeats)
     parts["decode"] -= parts["prefill"]
     parts["decode_1_row"] -= one_prefill
     return dict(rows=len(ids), prompt_tokens=ids.shape[1], steps=steps, seconds=parts,
