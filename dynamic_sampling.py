@@ -34,10 +34,16 @@ import torch
 
 import rollout
 
-# (N, ...) fields of a Rollout: the prompt's are left-padded, the completion's right-padded
+# (N, ...) fields of a Rollout: the prompt's are left-padded, the completion's right-padded.
+# Every per-row field a round can carry is here (rollout_logp: the sampler's own log-probs, which
+# --rollout-correction needs). The other fields: per row but not padded (ROW_FIELDS), the batch's
+# (share_prefix), or filled after the filter (advantages, is_weight): NOT_PADDED. A Rollout field
+# in none of these lists fails tests/test_dynamic_sampling.py, so a new one cannot be dropped silently.
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 COMPLETION_FIELDS = ("completion_ids", "completion_mask", "old_logp", "ref_logp", "old_values", "returns",
-                     "completion_attn")
+                     "completion_attn", "rollout_logp")
+ROW_FIELDS = ("texts", "rewards", "truncated")
+NOT_PADDED = ROW_FIELDS + ("share_prefix", "advantages", "is_weight")
 
 
 def informative(rewards: torch.Tensor, k: int) -> torch.Tensor:

@@ -134,3 +134,41 @@ def test_bad_dynamic_sampling_flags_exit_2_naming_the_flag(argv, flag, tmp_path,
         config.parse_config(argv + ["--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_every_rollout_field_is_either_carried_through_the_filter_or_named_as_not_per_row():
+    """A per-row field left out of the filter is silently dropped: rollout_logp once was, and
+    --rollout-correction then had nothing to correct with."""
+    import dataclasses
+    from rollout import Rollout
+    listed = set(dynamic_sampling.PROMPT_FIELDS + dynamic_sampling.COMPLETION_FIELDS + dynamic_sampling.NOT_PADDED)
+    assert {f.name for f in dataclasses.fields(Rollout)} == listed
+
+
+def test_merge_and_select_keep_the_samplers_log_probs():
+    model = tiny_model()
+    a, b = synthetic_batch(model, n=4, c_len=5, seed=1), synthetic_batch(model, n=2, c_len=4, seed=2)
+    for x in (a, b):
+        x.rewards = torch.zeros(len(x.texts))
+        x.rollout_logp = x.old_logp - 0.01 * torch.arange(x.old_logp.shape[1])       # any values that differ
+    merged = dynamic_sampling.merge([a, b])
+    assert torch.equal(merged.rollout_logp[:4], a.rollout_logp)
+    assert torch.equal(merged.rollout_logp[4:, :4], b.rollout_logp) and (merged.rollout_logp[4:, 4:] == 0).all()
+    picked = dynamic_sampling.select(a, torch.tensor([1]), 2)
+    assert torch.equal(picked.rollout_logp, a.rollout_logp[2:4])
+
+
+def test_a_correction_acts_under_dynamic_sampling(tmp_path):
+    """--dynamic-sampling --rollout-stale 1 with and without TIS: the sampler's log-probs reach
+    the update, so the two runs differ and the mismatch is logged (they were bit-identical)."""
+    losses = {}
+    for name, extra in (("plain", ()), ("tis", ("--rollout-correction", "tis", "--rollout-c-max", "1.01"))):
+        train.train(config.parse_config(quick(tmp_path, name, "--dynamic-sampling", "--rollout-stale", "1",
+                                              "--max-sampling-rounds", "4", "--steps", "6", "--lr", "0.01", *extra)))
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()[1:]]
+        assert all("sampling/importance_sampling_ratio/mean" in r for r in rows), sorted(rows[0])
+        losses[name] = [r["loss"] for r in rows]
+    pairs = [(a, b) for a, b in zip(losses["plain"][1:], losses["tis"][1:]) if a is not None and b is not None]
+    assert pairs, "no step after the first took an update in both runs"
+    gap = max(abs(a - b) for a, b in pairs)
+    assert gap > 1e-4, f"stale rollouts corrected should give another loss; largest difference {gap}"
