@@ -199,6 +199,9 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     reference and the KL in the loss; ref_kl (k3, whichever estimator the loss uses) is
     measured whenever there is a reference."""
     mask = rows.mask                                                            # (n, C)
+    keep = None                                 # 80/20: the policy gradient on the forking tokens only
+    if hp.top_entropy_quantile < 1:
+        keep = surrogates.high_entropy_mask(entropy, mask, hp.top_entropy_quantile)   # (n, C)
     if hp.policy_loss == "clip":
         ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)         # (n, C) or (n, 1)
         surrogate, clipped = clipped_surrogate(ratio, rows.advantages, hp.clip_low, hp.clip_high)
@@ -207,12 +210,12 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
         per_token = -surrogate                                                  # (n, C)
         low, high = clipped & (ratio < 1).expand_as(logp), clipped & (ratio > 1).expand_as(logp)
     else:                       # the 2025-26 objectives (surrogates.py), token ratios
-        per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp)
+        per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp, keep)
         clipped = low | high
     if rows.is_weight is not None:              # the rollout/training mismatch's correction (mismatch.py)
         per_token = per_token * rows.is_weight
-    if hp.top_entropy_quantile < 1:             # 80/20: the policy gradient on the forking tokens only
-        per_token = per_token * surrogates.high_entropy_mask(entropy, mask, hp.top_entropy_quantile)
+    if keep is not None and hp.policy_loss != "gmpo":   # gmpo's mean already leaves the others out
+        per_token = per_token * keep
     sums = {}
     if rows.ref_logp is not None:
         kl_t = kl.estimate(logp, rows.ref_logp, hp.kl_estimator)                # (n, C)

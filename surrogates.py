@@ -39,6 +39,13 @@ import torch
 
 POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo", "clip-cov", "kl-cov")
 
+# The loss aggregation (grpo.aggregate) an objective was written with, where it is not the
+# course's token-mean; running/config.py uses it unless --loss-agg is given. SAPO's paper
+# normalises each sequence by its length, verl forces seq-mean-token-mean for it and TRL
+# averages it per sequence (token-mean weighs a long sequence more: 0.32 apart on the same
+# inputs). GMPO's loss is one number per sequence, averaged over sequences (verl's geo_mean).
+OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
+
 
 def advantage_per_token(adv: torch.Tensor) -> torch.Tensor:
     """(n,) one per sequence (GRPO) or (n, C) per token (PPO) -> broadcastable (n, 1) or (n, C)."""
@@ -110,8 +117,9 @@ def gmpo(logp, old_logp, adv, mask, delta: float):
 
     The min keeps the clipped log-ratio only on the side that would raise the objective
     (PPO's pessimism, per token, in log space). The per-sequence loss sits on each of its
-    tokens; aggregated with seq-mean-token-mean (running/config.py makes it --policy-loss
-    gmpo's default) it is verl's mean over sequences. Sequence advantages only (GRPO)."""
+    tokens; aggregated with seq-mean-token-mean (OWN_AGGREGATION) it is verl's mean over
+    sequences. Sequence advantages only (GRPO). mask: the tokens inside the mean; under the
+    80/20 mask only the kept ones (TRL), so a masked token has no gradient at all."""
     log_ratio = logp - old_logp                                                  # (n, C)
     sign = torch.sign(adv).unsqueeze(1)                                          # (n, 1)
     clamped = log_ratio.clamp(-delta, delta)
@@ -191,11 +199,13 @@ def high_entropy_mask(entropy, mask, quantile: float):
     return ((entropy.detach() >= threshold) & mask.bool()).to(entropy.dtype)
 
 
-def policy_gradient_loss(logp, old_logp, adv, mask, hp):
+def policy_gradient_loss(logp, old_logp, adv, mask, hp, keep=None):
     """The per-token policy-gradient loss (n, C) of hp.policy_loss, and where its bounds bit
     (low, high), (n, C) bool each. hp: grpo.HyperParams (its clip_low/clip_high, dual_clip_c,
     cispo_max, sapo_tau_pos/neg, gmpo_delta, cov_ratio, clip_cov_lb/ub, kl_cov_coef). Every one
-    takes the token ratio; 'clip' itself (and GSPO's sequence ratio) is grpo.clipped_surrogate's."""
+    takes the token ratio; 'clip' itself (and GSPO's sequence ratio) is grpo.clipped_surrogate's.
+    keep (n, C): the 80/20 mask (high_entropy_mask) or None. The caller multiplies a token's
+    loss by it, except GMPO's, whose geometric mean is taken over the kept tokens instead."""
     ratio = torch.exp(logp - old_logp)                                           # (n, C)
     if hp.policy_loss == "dual-clip":
         return dual_clip(ratio, adv, hp.clip_low, hp.clip_high, hp.dual_clip_c)
@@ -204,7 +214,7 @@ def policy_gradient_loss(logp, old_logp, adv, mask, hp):
     if hp.policy_loss == "sapo":
         return sapo(ratio, adv, hp.sapo_tau_pos, hp.sapo_tau_neg)
     if hp.policy_loss == "gmpo":
-        return gmpo(logp, old_logp, adv, mask, hp.gmpo_delta)
+        return gmpo(logp, old_logp, adv, mask if keep is None else keep, hp.gmpo_delta)
     if hp.policy_loss == "clip-cov":
         return clip_cov(ratio, logp, adv, mask, hp)
     if hp.policy_loss == "kl-cov":

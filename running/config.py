@@ -347,9 +347,10 @@ GSPO_DEFAULTS = dict(clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token
 
 def gspo_defaults(cfg: Config, given: dict) -> Config:
     """--ratio-level sequence: GSPO's clip range and aggregation for the flags not given;
-    --policy-loss gmpo: its mean over sequences (verl's geo_mean), unless --loss-agg is given."""
-    if cfg.policy_loss == "gmpo" and "loss_agg" not in given:
-        cfg = dataclasses.replace(cfg, loss_agg="seq-mean-token-mean")
+    --policy-loss sapo or gmpo: the aggregation it was written with (surrogates.OWN_AGGREGATION),
+    unless --loss-agg is given."""
+    if cfg.policy_loss in surrogates.OWN_AGGREGATION and "loss_agg" not in given:
+        cfg = dataclasses.replace(cfg, loss_agg=surrogates.OWN_AGGREGATION[cfg.policy_loss])
     if cfg.ratio_level != "sequence":
         return cfg
     return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})

@@ -7,6 +7,7 @@ import torch
 
 import grpo
 import surrogates
+from rollout import Rows
 from conftest import assert_refused_in_one_line, quick
 
 
@@ -42,11 +43,16 @@ def trl_cispo(old_log_prob, log_prob, advantages, mask, epsilon_high):
     return token_mean(-coef * advantages * log_prob, mask)
 
 
+def seq_mean_token_mean(loss, mask):
+    """verl's agg_loss for "seq-mean-token-mean": each sequence's token mean, then their mean."""
+    return ((loss * mask).sum(-1) / mask.sum(-1)).mean()
+
+
 def verl_sapo(old_log_prob, log_prob, advantages, mask, tau_pos, tau_neg):
     ratio = torch.exp((log_prob - old_log_prob).clamp(-20, 20))
     taus = torch.where(advantages > 0, torch.tensor(tau_pos), torch.tensor(tau_neg))
     gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)
-    return token_mean(-gates * advantages, mask)
+    return seq_mean_token_mean(-gates * advantages, mask)         # verl forces this aggregation for SAPO
 
 
 def verl_geo_mean(old_log_prob, log_prob, advantages, mask, low, high):
@@ -99,7 +105,7 @@ def verl_kl_cov(old_log_prob, log_prob, advantages, response_mask, kl_cov_ratio,
 def ours(name, logp, old, adv, mask, **knobs):
     hp = grpo.HyperParams(mini_batch=6, micro_batch=6, policy_loss=name, **knobs)
     loss, low, high = surrogates.policy_gradient_loss(logp, old, adv, mask, hp)
-    agg = "seq-mean-token-mean" if name == "gmpo" else "token-mean"
+    agg = surrogates.OWN_AGGREGATION.get(name, "token-mean")
     return grpo.aggregate(loss, mask, agg, len(mask), mask.sum(), 24), low, high
 
 
@@ -214,9 +220,11 @@ def test_at_one_update_per_batch_the_ratio_based_fixes_are_the_plain_policy_grad
     old = logp.detach()                                                            # r = 1 everywhere
     plain = token_mean(-adv.unsqueeze(1) * logp, mask)
     (g_plain,) = torch.autograd.grad(plain, logp)
+    (g_plain_seq,) = torch.autograd.grad(seq_mean_token_mean(-adv.unsqueeze(1) * logp, mask), logp)
     for name, knobs in [("dual-clip", dict(clip_high=0.28)), ("cispo", {}), ("sapo", {}), ("kl-cov", {})]:
         (g,) = torch.autograd.grad(ours(name, logp, old, adv, mask, **knobs)[0], logp)
-        torch.testing.assert_close(g * mask, g_plain * mask, rtol=1e-6, atol=1e-7, msg=name)
+        want = g_plain_seq if name in surrogates.OWN_AGGREGATION else g_plain     # in the objective's own aggregation
+        torch.testing.assert_close(g * mask, want * mask, rtol=1e-6, atol=1e-7, msg=name)
     hp = grpo.HyperParams(mini_batch=6, micro_batch=6, clip_high=0.28)          # clip-higher: grpo's own clip
     surrogate, _ = grpo.clipped_surrogate(torch.exp(logp - old), adv, hp.clip_low, hp.clip_high)
     (g,) = torch.autograd.grad(token_mean(-surrogate.expand_as(logp), mask), logp)
@@ -236,6 +244,46 @@ def test_the_80_20_mask_trains_only_the_forking_tokens():
     keep = surrogates.high_entropy_mask(entropy, mask, 0.2)
     assert keep.tolist() == [[0, 0, 1, 0, 0], [0, 1, 0, 0, 0]]
     assert surrogates.high_entropy_mask(entropy, mask, 1.0).tolist() == mask.tolist()
+
+
+def trl_gmpo_top_entropy(old_log_prob, log_prob, advantages, mask, entropy_mask, delta):
+    """GMPO under the 80/20 mask as TRL writes it: the geometric mean over the kept tokens only,
+    then the mean over sequences (a sequence with none kept: weight 1, no gradient)."""
+    kept = mask * entropy_mask
+    log_ratio = log_prob - old_log_prob
+    sgn = torch.sign(advantages).unsqueeze(1)
+    x = sgn * torch.min(sgn * log_ratio, sgn * log_ratio.clamp(-delta, delta))
+    weight = torch.exp((x * kept).sum(-1) / kept.sum(-1).clamp(min=1))
+    return (-advantages * weight).mean()
+
+
+@pytest.mark.lesson
+def test_gmpo_under_the_80_20_mask_averages_only_the_kept_tokens():
+    """Masking GMPO's per-sequence loss afterwards left the masked tokens inside the geometric
+    mean, with a gradient; the kept tokens' mean is TRL's, and a masked token gets no gradient."""
+    for seed in range(3):
+        logp, old, adv, mask = inputs(seed)
+        entropy = torch.rand(logp.shape, generator=torch.Generator().manual_seed(seed + 10))
+        keep = surrogates.high_entropy_mask(entropy, mask, 0.4)
+        hp = grpo.HyperParams(mini_batch=6, micro_batch=6, policy_loss="gmpo", top_entropy_quantile=0.4,
+                              loss_agg="seq-mean-token-mean")
+        rows = Rows(tokens=None, mask=mask, old_logp=old, ref_logp=None, advantages=adv, old_values=None, returns=None)
+        per_token, _ = grpo.policy_loss(logp, old, entropy, rows, hp)
+        mine = grpo.aggregate(per_token, mask, hp.loss_agg, len(mask), mask.sum(), 24)
+        theirs = trl_gmpo_top_entropy(old, logp, adv, mask, keep, 0.4)
+        (g_mine,) = torch.autograd.grad(mine, logp)
+        (g_theirs,) = torch.autograd.grad(theirs, logp)
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g_mine * mask, g_theirs * mask, rtol=1e-5, atol=1e-6)
+        assert (g_mine[(keep == 0) & (mask == 1)] == 0).all(), "a masked token keeps no gradient"
+
+
+@pytest.mark.parametrize("name", sorted(surrogates.OWN_AGGREGATION))
+def test_sapo_and_gmpo_aggregate_as_written_unless_loss_agg_is_given(name, tmp_path):
+    from running import config
+    assert config.parse_config(["--policy-loss", name, "--out", str(tmp_path / "a")]).loss_agg == "seq-mean-token-mean"
+    given = config.parse_config(["--policy-loss", name, "--loss-agg", "token-mean", "--out", str(tmp_path / "b")])
+    assert given.loss_agg == "token-mean"
 
 
 def metrics(path):
