@@ -137,7 +137,7 @@ def importance_ratio(logp, old_logp, mask, level: str):
     whatever the length, so GSPO clips it far more tightly (its paper: eps 3e-4 / 4e-4, and
     a mean over sequences; `--ratio-level sequence` brings both unless they are given)."""
     if level == "token":
-        return torch.exp(logp - old_logp)                                       # (n, C)
+        return surrogates.token_ratio(logp, old_logp)                           # (n, C), log r in [-20, 20]
     m = mask.to(logp.dtype)
     mean_log_ratio = ((logp - old_logp) * m).sum(1) / m.sum(1).clamp_min(1)    # (n,)
     return torch.exp(mean_log_ratio).unsqueeze(1)                               # (n, 1)
@@ -230,9 +230,15 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     if mask.any():                              # the token ratio's extremes (update.EXTREMES)
         token_ratio = torch.exp(logp.detach() - old_logp)[mask.bool()]
         sums.update(ratio_min=token_ratio.min().item(), ratio_max=token_ratio.max().item())
-    sums.update(entropy=(entropy.detach() * mask).sum().item(),
-                clip_frac=(clipped.float() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item(),
-                clip_frac_low=(low.float() * mask).sum().item(), clip_frac_high=(high.float() * mask).sum().item())
+    sums.update(entropy=(entropy.detach() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item())
+    # clip fractions: the share of policy tokens; under GSPO's one ratio a sequence, the share of
+    # sequences (TRL's), so a long clipped sequence does not count more than a short one
+    seq_level = hp.policy_loss == "clip" and hp.ratio_level == "sequence"
+    for name, bit in (("clip_frac", clipped), ("clip_frac_low", low), ("clip_frac_high", high)):
+        if seq_level:
+            sums["per_seq/" + name] = (bit[:, 0] & mask.bool().any(1)).sum().item()
+        else:
+            sums[name] = (bit.float() * mask).sum().item()
     return per_token, sums
 
 

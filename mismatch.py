@@ -132,25 +132,28 @@ def weigh(batch, hp) -> None:
 # ---- what a run logs ----
 
 def diagnostics(log_w_tokens: torch.Tensor, log_w_seqs: torch.Tensor, weight_tokens=None) -> dict:
-    """How far the sampler and the trainer disagree on the tokens sampled (TRL's names):
+    """How far the sampler and the trainer disagree on the tokens sampled:
 
-        sampling/sampling_logp_difference/mean, max     |log pi_old - log mu| per token
-        sampling/importance_sampling_ratio/min, mean, max   w = pi_old / mu per token
-        sampling/importance_sampling_ratio/seq_min, seq_max the geometric mean per sequence
-        sampling/effective_sample_size      (sum w)^2 / (n sum w^2) over the tokens: 1 when
-                                            every w is equal, 1/n when one token has all
-        sampling/corrected_weight/mean      the correction's weight (0 for a masked token), when
-                                            a correction is on
-    log_w_tokens: (tokens,) log w of every policy token; log_w_seqs: (N,) the mean per sequence."""
+        sampling/sampling_logp_difference/mean, max     |log pi_old - log mu| per token (TRL's)
+        sampling/raw_importance_ratio/min, mean, max    w = pi_old / mu per token, before any correction
+        sampling/raw_importance_ratio/seq_min, seq_max  the geometric mean per sequence
+        sampling/effective_sample_size      (sum w)^2 / (n sum w^2) over the tokens, of the raw w:
+                                            1 when every w is equal, 1/n when one token has all
+        sampling/importance_sampling_ratio/min, mean, max   the weight the loss used (tis: min(w,
+                                            C_max); mis: 0 for a dropped token), with a correction
+                                            on: TRL's meaning of the name
+    log_w_tokens: (tokens,) log w of every policy token; log_w_seqs: (N,) the mean per sequence;
+    weight_tokens: (tokens,) the correction's weight, or None."""
     w = torch.exp(log_w_tokens.double().clamp(-20.0, 20.0))
     out = {"sampling/sampling_logp_difference/mean": log_w_tokens.abs().mean().item(),
            "sampling/sampling_logp_difference/max": log_w_tokens.abs().max().item(),
-           "sampling/importance_sampling_ratio/min": w.min().item(),
-           "sampling/importance_sampling_ratio/mean": w.mean().item(),
-           "sampling/importance_sampling_ratio/max": w.max().item(),
-           "sampling/importance_sampling_ratio/seq_min": math.exp(log_w_seqs.min().item()),
-           "sampling/importance_sampling_ratio/seq_max": math.exp(log_w_seqs.max().item()),
+           "sampling/raw_importance_ratio/min": w.min().item(),
+           "sampling/raw_importance_ratio/mean": w.mean().item(),
+           "sampling/raw_importance_ratio/max": w.max().item(),
+           "sampling/raw_importance_ratio/seq_min": math.exp(log_w_seqs.min().item()),
+           "sampling/raw_importance_ratio/seq_max": math.exp(log_w_seqs.max().item()),
            "sampling/effective_sample_size": (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()}
     if weight_tokens is not None:
-        out["sampling/corrected_weight/mean"] = weight_tokens.mean().item()
+        out.update({f"sampling/importance_sampling_ratio/{k}": getattr(weight_tokens, k)().item()
+                    for k in ("min", "mean", "max")})
     return out

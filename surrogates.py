@@ -47,6 +47,14 @@ POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo", "clip-cov", "kl-c
 OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
 
 
+def token_ratio(logp, old_logp):
+    """r_it = exp(log r_it), log r_it clamped to [-20, 20] first (verl's clamp): past log r = 88
+    exp gives inf in float32, and a branch torch.where does not take then still sends 0 * inf =
+    NaN into the gradient (dual-clip's capped tokens, SAPO's gate). e^20 is far past every
+    bound here, so no loss value changes; a clamped token has no gradient, as in verl."""
+    return torch.exp((logp - old_logp).clamp(-20.0, 20.0))                      # (n, C)
+
+
 def advantage_per_token(adv: torch.Tensor) -> torch.Tensor:
     """(n,) one per sequence (GRPO) or (n, C) per token (PPO) -> broadcastable (n, 1) or (n, C)."""
     return adv.unsqueeze(1) if adv.dim() == 1 else adv
@@ -74,11 +82,12 @@ def dual_clip(ratio, adv, eps_low: float, eps_high: float, c: float):
 
     With A < 0 the clipped term is -clip(r) A, which grows without bound as r does: one token
     the update made 100x likelier than when it was sampled adds 100 |A| to the loss. The
-    second clip caps it (high: those capped tokens)."""
+    second clip caps it (counted low, with the other A < 0 tokens a bound held, as verl's
+    pg_clipfrac_lower counts it)."""
     a = advantage_per_token(adv)
     loss, low, high = ppo_clip(ratio, adv, eps_low, eps_high)
     capped = (a < 0) & (loss > -c * a)
-    return torch.where(capped, -c * a, loss), low, high | capped
+    return torch.where(capped, -c * a, loss), low | capped, high
 
 
 def cispo(ratio, logp, adv, eps_max: float):
@@ -87,11 +96,12 @@ def cispo(ratio, logp, adv, eps_max: float):
         loss = -sg(min(r, eps_max)) A log pi
 
     d loss / d logp = -min(r, eps_max) A: never 0, so a token past the cap still learns, at
-    the capped weight (high: capped tokens). Its value is not PPO's (it is A log pi, not r A);
-    only its gradient matters."""
+    the capped weight (high: capped tokens with A > 0, as TRL counts them: with A < 0 the cap
+    only lowers a weight that pushes the token down). Its value is not PPO's (it is A log pi,
+    not r A); only its gradient matters."""
     a = advantage_per_token(adv)
     weight = ratio.clamp(max=eps_max).detach()
-    return -weight * a * logp, torch.zeros_like(ratio, dtype=torch.bool), ratio > eps_max
+    return -weight * a * logp, torch.zeros_like(ratio, dtype=torch.bool), (ratio > eps_max) & (a > 0)
 
 
 def sapo(ratio, adv, tau_pos: float, tau_neg: float):
@@ -206,7 +216,7 @@ def policy_gradient_loss(logp, old_logp, adv, mask, hp, keep=None):
     takes the token ratio; 'clip' itself (and GSPO's sequence ratio) is grpo.clipped_surrogate's.
     keep (n, C): the 80/20 mask (high_entropy_mask) or None. The caller multiplies a token's
     loss by it, except GMPO's, whose geometric mean is taken over the kept tokens instead."""
-    ratio = torch.exp(logp - old_logp)                                           # (n, C)
+    ratio = token_ratio(logp, old_logp)                                          # (n, C)
     if hp.policy_loss == "dual-clip":
         return dual_clip(ratio, adv, hp.clip_low, hp.clip_high, hp.dual_clip_c)
     if hp.policy_loss == "cispo":

@@ -106,10 +106,12 @@ class UpdateStats:
         self.epochs_run += 1
 
     def add(self, loss: float, sums: dict, mask: torch.Tensor) -> None:
-        """One micro-batch: its loss, its per-token sums (ratio_min / ratio_max: extremes), and
-        its policy tokens (mask)."""
+        """One micro-batch: its loss, its per-token sums (ratio_min / ratio_max: extremes; a key
+        "per_seq/x": a count over sequences, reported as x, a share of sequences), and its policy
+        tokens (mask)."""
         self.minibatch_loss += loss
-        for key, v in dict(sums, tokens=mask.sum().item()).items():
+        counts = dict(tokens=mask.sum().item(), sequences=mask.reshape(len(mask), -1).any(1).sum().item())
+        for key, v in dict(sums, **counts).items():
             if key in EXTREMES:
                 self.sums[key] = EXTREMES[key](self.sums.get(key, v), v)
             else:
@@ -141,10 +143,13 @@ class UpdateStats:
     def mean(self, key: str) -> float:
         if key in EXTREMES:                       # not a mean: the epoch's extreme
             return self.sums[key]
+        if key.startswith("per_seq/"):            # a share of sequences (GSPO's clip fractions, as TRL's)
+            return self.sums[key] / max(self.sums["sequences"], 1)
         return self.sums.get(key, 0.0) / max(self.sums["tokens"], 1)
 
     def result(self) -> dict:
-        return dict({key: self.mean(key) for key in self.sums if key != "tokens"},
+        return dict({key.removeprefix("per_seq/"): self.mean(key) for key in self.sums
+                     if key not in ("tokens", "sequences")},
                     loss=sum(self.losses) / len(self.losses), grad_norm=sum(self.norms) / len(self.norms),
                     steps_taken=self.steps_taken, skipped_nonfinite=self.skipped, nonfinite=self.nonfinite,
                     epochs_run=self.epochs_run)

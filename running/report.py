@@ -22,14 +22,16 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     completions/mean_length, completions/min_length, completions/max_length   policy tokens per
                               rollout (TRL's names, as every completions/ metric here)
     completions/mean_terminated_length   the mean length of the rollouts that ended (sampled EOS or
-                              a stop string), null when none did
+                              a stop string), 0 when none did (TRL's convention)
     completions/clipped_ratio  the share of rollouts cut at --max-new-tokens (a tool episode: any
                               of its turns) before they ended; 1.0 is said once in the log
     clip_frac_low, clip_frac_high   the share of policy tokens whose ratio was held at its lower /
                               upper bound (clip: r < 1 - eps_low with A < 0 / r > 1 + eps_high
-                              with A > 0; dual-clip's cap counts as high; cispo: r > its cap;
-                              gmpo: a clipped log-ratio; sapo: r outside [0.8, 1.2], nothing held):
-                              TRL's clip_ratio/low_mean and clip_ratio/high_mean (surrogates.py)
+                              with A > 0; dual-clip's cap counts as low, as verl's; cispo: r > its
+                              cap with A > 0, as TRL's; gmpo: a clipped log-ratio; sapo: r outside
+                              [0.8, 1.2], nothing held): TRL's clip_ratio/low_mean and
+                              clip_ratio/high_mean (surrogates.py). Under --ratio-level sequence
+                              (GSPO) these and clip_frac are shares of sequences, as TRL's
     ratio_min, ratio_max      the token ratio exp(logp - logp_old) at its lowest and highest over the
                               last epoch's policy tokens (every rank's): 1 and 1 with one epoch
                               under --fast, where the update's forward is the old policy
@@ -167,7 +169,7 @@ def completion_lengths(lengths: torch.Tensor, truncated: torch.Tensor | None) ->
            "completions/max_length": lengths.max().item()}
     if truncated is not None:
         ended = lengths[~truncated.bool()]
-        out["completions/mean_terminated_length"] = ended.mean().item() if len(ended) else None
+        out["completions/mean_terminated_length"] = ended.mean().item() if len(ended) else 0.0   # TRL: 0
         out["completions/clipped_ratio"] = truncated.float().mean().item()
     return out
 

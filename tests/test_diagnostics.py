@@ -18,7 +18,8 @@ def test_completion_lengths_against_a_hand_count():
     out = report.completion_lengths(lengths, truncated)
     assert out == {"completions/mean_length": 4.0, "completions/min_length": 1.0, "completions/max_length": 6.0,
                    "completions/mean_terminated_length": 2.0, "completions/clipped_ratio": 0.5}
-    assert report.completion_lengths(lengths, torch.ones(4, dtype=torch.bool))["completions/mean_terminated_length"] is None
+    every_cut = report.completion_lengths(lengths, torch.ones(4, dtype=torch.bool))
+    assert every_cut["completions/mean_terminated_length"] == 0.0, "TRL logs 0 when no completion ended"
 
 
 @pytest.mark.lesson
@@ -88,3 +89,62 @@ def test_a_run_kept_from_before_the_rename_is_read_under_trls_name(tmp_path):
     from running import plots
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "frac_zero_std_groups": 0.5, "loss": 0.1}) + "\n")
     assert plots.read_metrics(tmp_path) == [{"step": 1, "frac_reward_zero_std": 0.5, "loss": 0.1}]
+
+
+# ---- clip fractions, counted as the anchors count them ----
+
+def clip_fracs(logp, old, adv, mask, **knobs):
+    """(clip_frac_low, clip_frac_high, clip_frac) of grpo.policy_loss, through update.UpdateStats."""
+    from rollout import Rows
+    hp = grpo.HyperParams(mini_batch=len(mask), micro_batch=len(mask), **knobs)
+    rows = Rows(tokens=None, mask=mask, old_logp=old, ref_logp=None, advantages=adv, old_values=None, returns=None)
+    _, sums = grpo.policy_loss(logp, old, torch.zeros_like(logp), rows, hp)
+    stats = update.UpdateStats()
+    stats.new_epoch()
+    stats.add(0.0, sums, mask)
+    stats.stepped(0.0, [])
+    stats.end_epoch()
+    out = stats.result()
+    return out["clip_frac_low"], out["clip_frac_high"], out["clip_frac"]
+
+
+def clip_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(8, 6, generator=gen) * 2
+    logp = old + 1.5 * torch.randn(8, 6, generator=gen)              # ratios far from 1: many clipped
+    adv = torch.randn(8, generator=gen)
+    mask = torch.ones(8, 6)
+    mask[1, 2:], mask[5, 4:], mask[6, 1:] = 0, 0, 0                    # sequences of unequal length
+    return logp, old, adv, mask
+
+
+def test_cispo_counts_a_capped_token_high_only_with_a_positive_advantage_as_trl():
+    logp, old, adv, mask = clip_inputs(1)
+    r, a = torch.exp(logp - old), adv.unsqueeze(1).expand_as(logp)
+    trl = (((r > 1.5) & (a > 0)).float() * mask).sum() / mask.sum()    # TRL: is_cispo_clipped, token mean
+    low, high, _ = clip_fracs(logp, old, adv, mask, policy_loss="cispo", cispo_max=1.5)
+    assert high == pytest.approx(trl.item()) and low == 0.0
+    assert (((r > 1.5) & (a < 0)).float() * mask).sum() > 0, "the inputs hold A < 0 tokens past the cap"
+
+
+def test_dual_clips_cap_is_counted_in_the_lower_fraction_as_verls():
+    logp, old, adv, mask = clip_inputs(2)
+    r, a = torch.exp(logp - old), adv.unsqueeze(1).expand_as(logp)
+    ppo_low = (r < 0.8) & (a < 0)
+    clip1 = torch.maximum(-a * r, -a * r.clamp(0.8, 1.2))
+    capped = (clip1 > -a * 3.0) & (a < 0)                                # verl: pg_clipfrac_lower's tokens
+    low, high, _ = clip_fracs(logp, old, adv, mask, policy_loss="dual-clip", dual_clip_c=3.0)
+    assert capped[mask.bool()].any(), "the inputs hold capped tokens"
+    assert low == pytest.approx((((ppo_low | capped)).float() * mask).sum().item() / mask.sum().item())
+    assert high == pytest.approx((((r > 1.2) & (a > 0)).float() * mask).sum().item() / mask.sum().item())
+
+
+def test_under_gspo_the_clip_fractions_are_shares_of_sequences_as_trls():
+    logp, old, adv, mask = clip_inputs(3)
+    logp = old + 0.002 * torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    s = torch.exp(((logp - old) * mask).sum(1) / mask.sum(1))                    # (8,) GSPO's s_i
+    low_t, high_t = (s < 1 - 3e-4) & (adv < 0), (s > 1 + 4e-4) & (adv > 0)      # TRL: coef_1 (B, 1), x.mean()
+    low, high, frac = clip_fracs(logp, old, adv, mask, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)
+    assert (low_t | high_t).any() and not (low_t | high_t).all()
+    assert (low, high, frac) == pytest.approx((low_t.float().mean().item(), high_t.float().mean().item(),
+                                               (low_t | high_t).float().mean().item()))

@@ -165,9 +165,21 @@ def test_diagnostics_by_hand():
     log_w = torch.log(torch.tensor([1.0, 2.0, 0.5, 1.0]))
     d = mismatch.diagnostics(log_w, torch.tensor([0.0, 0.1]))
     assert d["sampling/sampling_logp_difference/max"] == pytest.approx(0.693147, abs=1e-6)
-    assert d["sampling/importance_sampling_ratio/mean"] == pytest.approx(4.5 / 4)
+    assert d["sampling/raw_importance_ratio/mean"] == pytest.approx(4.5 / 4)
     assert d["sampling/effective_sample_size"] == pytest.approx(4.5 ** 2 / (4 * 6.25))
-    assert d["sampling/importance_sampling_ratio/seq_max"] == pytest.approx(1.105171, abs=1e-6)
+    assert d["sampling/raw_importance_ratio/seq_max"] == pytest.approx(1.105171, abs=1e-6)
+    assert not any("importance_sampling_ratio" in k and "raw" not in k for k in d), "no correction: no corrected ratio"
+
+
+def test_the_logged_importance_sampling_ratio_is_the_corrected_one_as_trls():
+    """TRL logs sampling/importance_sampling_ratio after its truncation (token_truncate: the
+    ratio clamped at C); the raw weight has a name of its own here."""
+    log_w = torch.log(torch.tensor([1.0, 4.0, 0.5, 1.0]))
+    trl_ratio = torch.exp(log_w).clamp(max=2.0)                           # TRL: vllm_importance_sampling_ratio
+    d = mismatch.diagnostics(log_w, torch.tensor([0.0]), mismatch.correction(log_w, "tis", 0.5, 2.0))
+    assert d["sampling/importance_sampling_ratio/max"] == pytest.approx(trl_ratio.max().item())
+    assert d["sampling/importance_sampling_ratio/mean"] == pytest.approx(trl_ratio.mean().item())
+    assert d["sampling/raw_importance_ratio/max"] == pytest.approx(4.0)
 
 
 # ---- through train.py ----
@@ -203,7 +215,7 @@ def test_a_made_mismatch_is_logged_and_corrected(flags, tmp_path):
     train.train(config.parse_config(quick(tmp_path, "m", *BASE, "--entropy-coef", "0.01", *flags)))  # every step updates
     rows = metrics(tmp_path / "m")[1:]
     assert all(r["updated"] for r in rows) and all(r["sampling/sampling_logp_difference/max"] > 1e-3 for r in rows[1:])
-    assert all(0 < r["sampling/corrected_weight/mean"] for r in rows)
+    assert all(0 < r["sampling/importance_sampling_ratio/mean"] for r in rows)
     assert all(0 < r["sampling/effective_sample_size"] <= 1 + 1e-9 for r in rows)
 
 

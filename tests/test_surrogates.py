@@ -153,9 +153,9 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token_whose_ratio_exp
     logp = old + torch.log(torch.tensor(100.0))
     ratio, adv = torch.exp(logp - old), torch.tensor([-1.0])
     clip_loss, _, _ = surrogates.ppo_clip(ratio, adv, 0.2, 0.2)
-    dual_loss, _, high = surrogates.dual_clip(ratio, adv, 0.2, 0.2, 3.0)
+    dual_loss, low, _ = surrogates.dual_clip(ratio, adv, 0.2, 0.2, 3.0)
     assert clip_loss.item() == pytest.approx(100.0, rel=1e-4) and dual_loss.item() == pytest.approx(3.0)
-    assert high.all()
+    assert low.all(), "the cap is counted in the lower clip fraction (verl's pg_clipfrac_lower)"
 
 
 @pytest.mark.lesson
@@ -355,3 +355,21 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
 ])
 def test_bad_policy_loss_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
     assert_refused_in_one_line(tmp_path, capsys, argv, message)
+
+
+@pytest.mark.parametrize("name", ["dual-clip", "sapo", "clip", "cispo"])
+def test_an_exploded_ratio_gives_a_finite_gradient_as_verls_clamp_does(name):
+    """log r = 100 (exp overflows float32): verl clamps the log-ratio to [-20, 20] and gets a
+    gradient of 0 there; without the clamp dual-clip's cap and SAPO's gate gave NaN."""
+    old = torch.tensor([[-110.0, -2.0]])
+    logp = torch.tensor([[-10.0, -2.1]], requires_grad=True)                     # log r = 100, -0.1
+    adv = torch.tensor([-1.0])
+    hp = grpo.HyperParams(mini_batch=1, micro_batch=1, policy_loss=name)
+    rows = Rows(tokens=None, mask=torch.ones(1, 2), old_logp=old, ref_logp=None, advantages=adv,
+                old_values=None, returns=None)
+    per_token, _ = grpo.policy_loss(logp, old, torch.zeros(1, 2), rows, hp)
+    (g,) = torch.autograd.grad(per_token.sum(), logp)
+    assert torch.isfinite(per_token).all() and torch.isfinite(g).all(), (per_token, g)
+    if name != "cispo":                             # CISPO's gradient is -min(r, cap) A: never 0
+        assert g[0, 0] == 0, "the exploded token: no gradient, as verl's clamp gives"
+    assert g[0, 1] != 0, "the other token still learns"
