@@ -16,6 +16,8 @@ other side of the clip). A matrix kernel sums in its own order, and Adam turns t
 weight differences that grow with each step. On a new CPU, record them again from a commit
 that is known to learn the same (`git worktree add /tmp/old 2e3d7da && cd /tmp/old && python
 tests/test_same_learning.py --record`, then copy tests/golden/ back) and say so in the commit.
+They were recorded so a third time (the project's machine had become an AMD EPYC, where 03b0d01
+missed the old files by 1e-5 in grad_norm in four of six runs).
 A sampled token that flips, or any change in what is learned, shows as a difference orders
 of magnitude larger than 1e-5 on one machine.
 """
