@@ -156,7 +156,9 @@ def say_once(run: Run, row: dict) -> None:
         run.log(f"step {step}: every completion was cut at --max-new-tokens {config.new_tokens(cfg)} before it "
                  f"ended (no EOS, no stop string): their rewards say little and the policy never learns to stop; "
                  f"raise --max-new-tokens (said once; completions/clipped_ratio in metrics.jsonl)")
-    if row.get("frac_reward_zero_std") == 1.0 and "one_reward" not in run.said:
+    # the advantages, not the rewards, decide: under --norm global (K=1 too) or RCE's weights a
+    # batch of one-reward groups still has advantages that differ from 0
+    if row.get("frac_reward_zero_std") == 1.0 and row.get("adv_abs_mean") == 0 and "one_reward" not in run.said:
         run.said.add("one_reward")
         run.log(f"step {step}: every group's {cfg.k} samples got the same reward, so every advantage is 0 and "
                  f"this step teaches nothing (a loss of 0 here is expected, not a bug) (said once; "

@@ -67,6 +67,18 @@ def test_a_step_whose_every_group_has_one_reward_says_so_once(tmp_path, capsys):
     assert f"step {flat[0]}: every group's" in err
 
 
+@pytest.mark.parametrize("adv_abs_mean, said", [(0.0, True), (0.66, False)])
+def test_one_reward_a_group_is_called_zero_advantages_only_when_they_are(adv_abs_mean, said):
+    """K=1 under global norm (every group trivially one reward, advantages r - batch mean: mean
+    |A| 0.66 in a run) and RCE's weights: the "every advantage is 0" line was false there."""
+    from types import SimpleNamespace
+    from running import bookkeeping
+    lines = []
+    run = SimpleNamespace(cfg=SimpleNamespace(k=1), said=set(), log=lines.append)
+    bookkeeping.say_once(run, {"step": 3, "frac_reward_zero_std": 1.0, "adv_abs_mean": adv_abs_mean})
+    assert any("every advantage is 0" in line for line in lines) == said, lines
+
+
 def test_the_ratio_extremes_are_the_whole_batchs_over_its_micro_batches():
     """ratio_min / ratio_max of an update (one epoch, lr 0) are the min and max of
     exp(logp - logp_old) over every policy token of the batch, by a plain forward, though the
