@@ -423,7 +423,7 @@ def main(argv=None):
         try:
             import trl  # noqa: F401
         except ImportError:
-            p.error("--vs-trl needs TRL: pip install trl==1.16.0 (see the README, Performance)")
+            p.error("--vs-trl needs TRL: pip install trl==1.16.0 (see docs/performance.md)")
     cfg = REAL if args.model else CONFIGS[args.config]
     ours, theirs = [], []
     for _ in range(args.pairs if args.vs_trl else 1):

@@ -106,7 +106,8 @@ def main(argv=None):
         print(f"{name} ...", flush=True)
         entry = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,
                      date=time.strftime("%Y-%m-%d"), seeds=lab.seeds, quick=args.quick)
-        print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
+        mark = "QUICK, a smoke test and not a verdict: " if args.quick else ""
+        print(f"{name}: {mark}{entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry)                                        # after every experiment
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 

@@ -2,7 +2,9 @@
 figure and gets a verdict computed from its numbers; lab/bench.py measures a step, and
 lab/decode_floor.py's bare decoding computes what a full forward computes."""
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 import shared_prefix
@@ -11,8 +13,10 @@ from lab import decode_floor
 from lab import main as lab
 
 
-def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path):
+def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path, capsys):
     lab.main(["--quick", "--out", str(tmp_path)])
+    said = [line for line in capsys.readouterr().out.splitlines() if line.split(":")[0] in lab.EXPERIMENTS]
+    assert len(said) == len(lab.EXPERIMENTS) and all("QUICK, a smoke test and not a verdict" in x for x in said), said
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary) == list(lab.EXPERIMENTS)
     text = (tmp_path / "SUMMARY.md").read_text()
@@ -145,3 +149,16 @@ def test_the_collapse_rule_and_its_interval_by_hand():
     assert [collapsed(r) for r in (one_answer, wrong_but_valid, off_format, learned)] == [True, True, False, False]
     assert rate([learned] * 20) == "0/20 (0%, 95% interval 0-16%)"
     assert rate([one_answer] * 10 + [learned] * 10).startswith("10/20 (50%, 95% interval 30-70%)")
+
+
+def test_the_bench_without_trl_points_to_a_page_that_exists(capsys, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "trl" else real_import(name, *a, **k))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--vs-trl"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    page = err.split("see ")[-1].rstrip(")")
+    assert (Path(__file__).parent.parent / page).is_file(), f"the hint names {page!r}"
