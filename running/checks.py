@@ -70,6 +70,7 @@ def validate(cfg):
     need(cfg.batch % ranks == 0, "batch", f"{cfg.batch} prompts per step do not split over {ranks} ranks "
          f"(torchrun's processes); give a multiple of {ranks}")
     need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
+    need(0 <= cfg.threads <= 1024, "threads", f"must be 0 (the default) or a thread count, got {cfg.threads}")
     need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
     cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
     policy_loss_checks(cfg, need)

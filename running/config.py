@@ -199,6 +199,8 @@ class Config:
                                     "with a line naming it (a rank stopped with kill -STOP hung the others)")
     # the policy
     device: str = opt("auto", "where to run", choices=("auto", "cpu", "cuda"))
+    threads: int = opt(0, "CPU threads torch uses; 0 = 1 for the tiny model (a 20-step run on a busy 2-core "
+                       "machine: 1.6x faster than with 2; docs/performance.md), torch's default for --model")
     bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU for a real model where "
                     "bf16 is measured faster", choices=("auto", "on", "off"))
     model: str = opt("", "a real model: smollm2-135m (fetched once), a local Hugging Face folder, or a hub id; "
@@ -366,7 +368,7 @@ def processes_of(run_dir: Path) -> int:
     return int(found.group(1)) if found else 1
 
 
-RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite")
+RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite", "threads")
 
 
 def resumed_config(cfg: Config, given: dict) -> Config:

@@ -210,6 +210,8 @@ def start(cfg: Config, out: Path) -> Run:
     """Load the policy, build the optimizer and controllers, resume if asked, open the logs
     and evaluate at step 0."""
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if cfg.threads or not cfg.model:                 # the tiny model: 1 thread (--threads, docs/performance.md)
+        torch.set_num_threads(cfg.threads or 1)
     main = distributed.is_main()                     # rank 0 (always, in one process) writes and prints
     log = (lambda *a: None) if cfg.quiet or not main else (lambda s: print(s, file=sys.stderr))
     started = time.time()

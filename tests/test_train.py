@@ -182,3 +182,24 @@ def test_a_checkpoint_given_as_model_keeps_its_tokenizer_every_sample_round_trip
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert ids == built(text, add_special_tokens=False)["input_ids"], text
         assert tok.decode(ids, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("flags, threads", [([], 1), (["--threads", "2"], 2)])
+def test_the_tiny_model_runs_on_one_thread_unless_told(flags, threads, tmp_path):
+    """torch's default threads made a 20-step run on a busy 2-core machine 1.6x slower than one
+    thread (docs/performance.md); the tiny model gets 1 unless --threads says otherwise."""
+    import torch
+    from running import config
+    import train
+    before = torch.get_num_threads()
+    try:
+        train.train(config.parse_config(quick(tmp_path, "t", "--steps", "1", *flags)))
+        ran_on = json.loads((tmp_path / "t" / "config.json").read_text())["ran_on"]
+        assert ran_on.startswith(f"cpu ({threads} thread"), ran_on
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_negative_thread_count_is_refused_in_one_line(tmp_path, capsys):
+    from conftest import assert_refused_in_one_line
+    assert_refused_in_one_line(tmp_path, capsys, ["--threads", "-1"], "--threads: must be 0")
