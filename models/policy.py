@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+# transformers' model classes are imported where a model is built: importing them costs seconds
+# (more on a busy machine), which `train.py --help` and a mistyped flag need not pay
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import logprobs
 from models.pretrained import ModelError, set_aside
@@ -199,6 +200,7 @@ def cached(path: Path, build, log=print):
     aside as NAME.damaged-PID, said in one line, and built again."""
     if path.exists():
         try:
+            from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
             log(f"warm-start: loaded from cache {path}")
             return model, load_tokenizer(path)
@@ -233,6 +235,7 @@ def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path
     def build():
         tok = build_tokenizer(task.vocabulary())
         torch.manual_seed(warm.seed)
+        from transformers import Qwen2ForCausalLM
         model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
         t0 = time.time()
         losses = warm_start(task, model, tok, warm)
@@ -254,6 +257,7 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
     warm.steps > 0 and cached under cache_dir, keyed by the model and every warm-start setting."""
     def load():            # checked here, so a model we would get wrong is refused before any warm-up
         tok = load_tokenizer(Path(folder))
+        from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         error = logprobs.check_logprobs(model)
         if not error < 1e-3:

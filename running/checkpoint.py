@@ -31,7 +31,6 @@ import threading
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 STATE_FILE = "trainer_state.pt"
 
@@ -301,6 +300,7 @@ def starting_point(run_dir: Path) -> Path | None:
 def read_weights(ckpt: Path, model) -> dict:
     """The checkpoint's weights as a state dict for model (float32), model untouched; ValueError
     when they are another model's."""
+    from transformers import AutoModelForCausalLM          # here, not at the top: --help need not import it
     weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
     if set(weights) != set(model.state_dict()):
         raise ValueError("its weights do not match the model")
