@@ -304,6 +304,23 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+# --help's sections: the first flag of each, in Config's order (its banner comments)
+SECTIONS = {"task": "the task and the algorithm", "k": "the batch", "steps": "the update",
+            "rollout_dtype": "the rollout/training mismatch (mismatch.py)", "beta": "KL to the reference (kl.py)",
+            "critic": "PPO's critic (ppo.py)", "temperature": "sampling", "eval_every": "evaluation and output",
+            "save_every": "surviving failures", "device": "the policy and the machine"}
+EXAMPLES = """examples:
+  python train.py --k 8 --norm global                  the main job (GRPO, the tiny model, CPU)
+  python train.py --k 2 --batch 3 --norm group         report 001's setting (Lesson 2)
+  python train.py --algo ppo                           PPO with a critic (Lesson 3)
+  python train.py --task tools --reward sparse         report 000's tool agent (Lesson 4)
+  python train.py --policy-loss cispo --epochs 2       a 2025-26 objective; it needs a second epoch to act (Lesson 8)
+  python train.py --resume runs/NAME                   continue a stopped run
+
+Progress and messages go to stderr (python train.py 2> log.txt keeps them); the numbers go to
+the run's folder: metrics.jsonl, samples.jsonl, summary.json, curves.png."""
+
+
 def _parser(explicit_only: bool = False) -> argparse.ArgumentParser:
     """The CLI, built from Config's fields: --field-name with the field's help. explicit_only:
     a flag not on the command line is left out of the result (to tell what the user gave)."""
@@ -311,17 +328,23 @@ def _parser(explicit_only: bool = False) -> argparse.ArgumentParser:
                            description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
                                        "task or report 000's tool-calling task; each flag is a "
                                        "field of config.Config.",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                           formatter_class=HelpFormatter, epilog=EXAMPLES,
                            argument_default=argparse.SUPPRESS if explicit_only else None)
+    group = parser
     for f in dataclasses.fields(Config):
+        group = parser.add_argument_group(SECTIONS[f.name]) if f.name in SECTIONS else group
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = argparse.SUPPRESS if explicit_only else f.default
         if f.type is bool or f.type == "bool":
-            parser.add_argument(*flags, action="store_true", default=default, help=f.metadata["help"])
+            group.add_argument(*flags, action="store_true", default=default, help=f.metadata["help"])
         else:
-            parser.add_argument(*flags, type=type(f.default), default=default,
-                                choices=f.metadata.get("choices"), help=f.metadata["help"])
+            group.add_argument(*flags, type=type(f.default), default=default,
+                               choices=f.metadata.get("choices"), help=f.metadata["help"])
     return parser
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each flag's help; the examples kept as written."""
 
 
 def parse_config(argv=None) -> Config:

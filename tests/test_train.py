@@ -203,3 +203,16 @@ def test_the_tiny_model_runs_on_one_thread_unless_told(flags, threads, tmp_path)
 def test_a_negative_thread_count_is_refused_in_one_line(tmp_path, capsys):
     from conftest import assert_refused_in_one_line
     assert_refused_in_one_line(tmp_path, capsys, ["--threads", "-1"], "--threads: must be 0")
+
+
+def test_every_example_in_help_is_a_command_that_parses(tmp_path):
+    """--help ends with examples; each must be a valid command (a stale one would be refused)."""
+    lines = [line.split("  ")[1].strip() for line in config.EXAMPLES.splitlines() if line.startswith("  python train.py")]
+    assert len(lines) >= 5
+    for i, line in enumerate(lines):
+        argv = line.split()[2:]
+        if "--resume" in argv:
+            continue
+        cfg = config.parse_config(argv + ["--out", str(tmp_path / f"e{i}")])
+        assert cfg.out == str(tmp_path / f"e{i}")
+    assert "--policy-loss cispo --epochs 2" in config.EXAMPLES, "Lesson 8's command acts only with two epochs"
