@@ -198,6 +198,13 @@ def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:
 
 # ---- the terminal ----
 
+def say(line: str) -> None:
+    """A message, on stderr. On a terminal the progress line (below) may be sitting there
+    unfinished: go back to its start and erase it first (carriage return, then ESC [K), or a
+    shorter message would leave that line's tail on screen after it."""
+    print(("\r\033[K" if sys.stderr.isatty() else "") + line, file=sys.stderr)
+
+
 def progress(cfg, task, row: dict, last_eval: dict) -> None:
     """On a terminal, one line rewritten in place; in a log, one line per evaluation."""
     if cfg.quiet:

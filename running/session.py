@@ -213,7 +213,7 @@ def start(cfg: Config, out: Path) -> Run:
     if cfg.threads or not cfg.model:                 # the tiny model: 1 thread (--threads, docs/performance.md)
         torch.set_num_threads(cfg.threads or 1)
     main = distributed.is_main()                     # rank 0 (always, in one process) writes and prints
-    log = (lambda *a: None) if cfg.quiet or not main else (lambda s: print(s, file=sys.stderr))
+    log = (lambda *a: None) if cfg.quiet or not main else report.say
     started = time.time()
     if distributed.launched():
         distributed.init(device, cfg.collective_timeout)   # torchrun: join the other ranks

@@ -160,3 +160,18 @@ def test_under_gspo_the_clip_fractions_are_shares_of_sequences_as_trls():
     assert (low_t | high_t).any() and not (low_t | high_t).all()
     assert (low, high, frac) == pytest.approx((low_t.float().mean().item(), high_t.float().mean().item(),
                                                (low_t | high_t).float().mean().item()))
+
+
+def test_a_message_on_a_terminal_erases_the_progress_line_it_follows(monkeypatch):
+    """A monitor alert printed over the progress line (written with \\r) kept that line's tail."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    for tty, want in ((True, "\r\033[Kstep 3: monitor alert\n"), (False, "step 3: monitor alert\n")):
+        out = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", out)
+        report.say("step 3: monitor alert")
+        assert out.getvalue() == want
