@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -157,10 +158,17 @@ def validate(cfg):
     if not distributed.is_main():        # torchrun: rank 0 alone checks, names and writes the folder
         cfg.out = cfg.out or default_out(cfg)
         return cfg
-    if not cfg.out:                      # the default name, with a fresh suffix if it holds a run
-        base = default_out(cfg)
-        names = (base if i == 1 else f"{base}-{i}" for i in itertools.count(1))
-        cfg.out = next(name for name in names if not holds_run(Path(name)))
+    if not cfg.out:                      # the default name, or NAME-2, -3 ...: the first folder not there yet,
+        base = default_out(cfg)          # claimed by creating it (one mkdir succeeds: two runs started
+        for name in (base if i == 1 else f"{base}-{i}" for i in itertools.count(1)):   # together get two names)
+            try:
+                Path(name).mkdir(parents=True)
+            except FileExistsError:
+                continue
+            except OSError:              # not writable: said below, naming the folder
+                pass
+            cfg.out = name
+            break
     out = Path(cfg.out)
     need(cfg.resume or cfg.overwrite or not holds_run(out), "out",
          f"{cfg.out!r} holds a run already ({holds_run(out)}); --resume {cfg.out} continues it, "
@@ -383,9 +391,19 @@ def model_folder_problem(path: Path) -> str | None:
 
 
 def default_out(cfg) -> str:
+    """runs/NAME, NAME made of what sets the run apart: the task, the model and where it started,
+    the objective, the sampler, then the algorithm, K, B, the estimator, lr and seed (the main
+    job: runs/k8_b8_global_lr0.001_s0)."""
     task = f"tools_{cfg.reward}_" if cfg.task == "tools" else ""
     if cfg.difficulty > 1:
         task += f"d{cfg.difficulty}_" + ("curriculum_" if cfg.curriculum else "")
+    marks = [re.sub(r"[^A-Za-z0-9.-]+", "-", Path(cfg.model).name) if cfg.model else "",
+             "from-" + re.sub(r"[^A-Za-z0-9.-]+", "-", Path(cfg.init_from).name) if cfg.init_from else "",
+             cfg.policy_loss if cfg.policy_loss != "clip" else "", "gspo" if cfg.ratio_level == "sequence" else "",
+             f"e{cfg.epochs}" if cfg.epochs > 1 else "",
+             f"rollout-{cfg.rollout_dtype}" if cfg.rollout_dtype != "same" else "",
+             f"stale{cfg.rollout_stale}" if cfg.rollout_stale else ""]
+    task += "".join(m + "_" for m in marks if m)
     if cfg.algo in ("ppo", "rce"):
         return f"runs/{task}{cfg.algo}_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
     return f"runs/{task}k{cfg.k}_b{cfg.batch}_{cfg.norm}_lr{cfg.lr:g}_s{cfg.seed}"

@@ -27,6 +27,7 @@ import ppo
 import rce
 from running import schedules
 import surrogates
+from running import checks
 from running.checks import ConfigError, default_out, saved_fields, validate  # noqa: F401 (default_out: for importers)
 from running.checks import completion_limit, new_tokens  # noqa: F401 (new_tokens: for importers)
 import tasks
@@ -401,6 +402,9 @@ def resumed_config(cfg: Config, given: dict) -> Config:
     if given.get("overwrite"):
         raise ConfigError("--overwrite: replaces a run, --resume continues it: not both")
     ckpt = checkpoint.find(Path(cfg.resume))
+    if ckpt is None and checks.holds_run(Path(cfg.resume)):    # it stopped before its first checkpoint
+        raise ConfigError(f"--resume: the run in {cfg.resume!r} stopped before its first checkpoint, so "
+                          f"there is nothing to continue; run its command again with --overwrite")
     if ckpt is None:
         raise ConfigError(f"--resume: no checkpoint in {cfg.resume!r} (expected a run folder "
                           f"with checkpoints/step-*/ or a checkpoint folder)")

@@ -296,6 +296,35 @@ def test_the_default_folder_gets_a_fresh_suffix_so_a_command_can_run_twice(tmp_p
     assert second.out == first.out + "-2" and Path(first.out).name == "k4_b2_global_lr0.001_s0"
 
 
+def test_two_runs_named_together_get_two_folders(tmp_path, monkeypatch):
+    """Two runs started together with the default --out both saw the name free, and one died on
+    the other's lock; the name is now claimed by creating its folder, which only one can do."""
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in flags(tmp_path, "x", "--steps", "1") if a not in ("--out", str(tmp_path / "x"))]
+    first, second = config.parse_config(argv), config.parse_config(argv)      # neither has written a file
+    assert (first.out, second.out) == ("runs/k4_b2_global_lr0.001_s0", "runs/k4_b2_global_lr0.001_s0-2")
+
+
+@pytest.mark.parametrize("extra, mark", [(["--policy-loss", "cispo", "--epochs", "2"], "cispo_e2_"),
+                                         (["--rollout-dtype", "bf16"], "rollout-bf16_"),
+                                         (["--rollout-stale", "2"], "stale2_"),
+                                         (["--ratio-level", "sequence"], "gspo_")])
+def test_the_default_folder_says_what_ran(extra, mark, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [a for a in flags(tmp_path, "x", *extra) if a not in ("--out", str(tmp_path / "x"))]
+    assert config.parse_config(argv).out == f"runs/{mark}k4_b2_global_lr0.001_s0"
+
+
+def test_the_default_folder_names_the_model_and_the_start():
+    from types import SimpleNamespace
+    from running import checks
+    cfg = SimpleNamespace(task="dsl", reward="shaped", difficulty=1, curriculum=False, model="/models/My Model",
+                          init_from="runs/rce", policy_loss="clip", ratio_level="token", epochs=1,
+                          rollout_dtype="same", rollout_stale=0, algo="grpo", k=8, batch=8, norm="global",
+                          lr=2e-5, seed=0)
+    assert checks.default_out(cfg) == "runs/My-Model_from-rce_k8_b8_global_lr2e-05_s0"
+
+
 def test_a_second_run_into_a_busy_folder_is_refused_in_one_line(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     lock = checkpoint.RunLock(tmp_path / "run")                       # a run in progress there
@@ -521,3 +550,12 @@ def test_a_full_disk_while_logging_stops_the_run_in_one_line_and_resume_redoes_t
     monkeypatch.undo()
     resumed = train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6", "--quiet"]))
     assert resumed["steps"] == 6 and [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == list(range(7))
+
+
+def test_a_run_that_died_before_its_first_checkpoint_is_no_dead_end(tmp_path, capsys):
+    """Its folder holds metrics.jsonl but no checkpoint: the same command is refused (it holds a
+    run) and --resume had nothing to continue; --resume now says to use --overwrite, which works."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
+    exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run")]), "with --overwrite")
+    assert config.parse_config(flags(tmp_path, "run") + ["--overwrite"]).overwrite
