@@ -64,7 +64,7 @@ def build(cfg: dict, model_name: str = ""):
     if model_name:
         from models import pretrained
         folder = pretrained.resolve(model_name, pretrained.default_cache(), log=lambda s: print(s, file=sys.stderr))
-        return policy.real_policy(None, folder, policy.WarmStart(steps=0), Path(".cache/warmstart"))
+        return policy.real_policy(None, folder, policy.WarmStart(steps=0), policy.CACHE)
     tok = policy.build_tokenizer([f"w{i}" for i in range(cfg["vocab"] - len(policy.SPECIAL))])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(policy.tiny_config(tok, cfg["hidden"], cfg["layers"], 1024,

@@ -4,8 +4,8 @@ Default (no downloads, a laptop CPU): a tiny Qwen2ForCausalLM built from a confi
 with a word-level tokenizer built in code over the task's vocabulary, warm-started by a
 short supervised phase on the task's starting mix (tasks/workflow_task.py: report 001's 57% valid
 DSL / 43% `### Step 1` fallback text; tasks/tool_task.py: tool calls that sometimes work). The
-warm-started weights are cached under .cache/warmstart/, keyed by every setting that shapes
-them, so the second run starts at once.
+warm-started weights are cached under the repository's .cache/warmstart/ (CACHE, wherever the
+command runs from), keyed by every setting that shapes them, so the second run starts at once.
 
 `--model` loads a real pretrained model instead (a folder that pretrained.py resolved: the
 named smollm2-135m, a local folder, a hub id), wraps prompts in its chat template, and
@@ -37,6 +37,7 @@ import logprobs
 from models.pretrained import ModelError, set_aside
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
+CACHE = Path(__file__).resolve().parents[1] / ".cache" / "warmstart"     # the default --cache-dir
 
 
 # ---- tokenizer and model built in code ----

@@ -16,7 +16,7 @@ import torch
 import advantages
 import kl
 import tasks
-from models import pretrained
+from models import policy, pretrained
 from running import checkpoint, distributed
 
 
@@ -150,6 +150,7 @@ def validate(cfg):
     elif cfg.model:
         problem = validate_model(cfg.model)
         need(not problem, "model", f"{cfg.model!r}: {problem}")
+    cfg.cache_dir = cfg.cache_dir or str(policy.CACHE)
     need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
     need(not (cfg.overwrite and cfg.resume), "overwrite", "--overwrite replaces a run, --resume continues it: not both")
     if cfg.init_from and not cfg.resume:

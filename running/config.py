@@ -215,7 +215,8 @@ class Config:
     sft_seed: int = opt(0, "warm-up seed (one warm start shared by all RL seeds)")
     sft_difficulty: int = opt(0, "tools task: the warm start shows episodes of 1 up to this many benchmarks "
                               "(half of them one); 0 = --difficulty")
-    cache_dir: str = opt(".cache/warmstart", "where warm-started weights are cached")
+    cache_dir: str = opt("", "where warm-started weights are cached; default: .cache/warmstart in the "
+                         "repository, wherever the command runs from (models/policy.CACHE)")
     init_from: str = opt("", "start from another run's weights (its best checkpoint if it kept one, else its "
                          "newest), not the warm start; that start is also the KL's reference")
 

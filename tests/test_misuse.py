@@ -559,3 +559,11 @@ def test_a_run_that_died_before_its_first_checkpoint_is_no_dead_end(tmp_path, ca
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
     exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run")]), "with --overwrite")
     assert config.parse_config(flags(tmp_path, "run") + ["--overwrite"]).overwrite
+
+
+def test_the_warm_start_cache_is_the_repositorys_wherever_the_command_runs(tmp_path, monkeypatch):
+    """Run from another folder, .cache/ was relative to it and the warm start was silently redone."""
+    from models import policy
+    monkeypatch.chdir(tmp_path)
+    cfg = config.parse_config(["--out", str(tmp_path / "r")])
+    assert cfg.cache_dir == str(policy.CACHE) and policy.CACHE == ROOT.resolve() / ".cache" / "warmstart"
