@@ -43,6 +43,7 @@ from running import checkpoint, distributed, report, schedules
 from running.bookkeeping import end_step
 from running.config import Config, fail, parse_config
 from running.session import Learner, Run, RankLost, begin_step, difficulty, draw_prompts, open as open_run
+from running.session import stopped_at_once
 from models import pretrained
 
 
@@ -193,6 +194,8 @@ if __name__ == "__main__":
     except RankLost as e:
         print(f"train.py: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as e:       # Ctrl-C before the run caught signals (loading, the warm start),
+        sys.exit(stopped_at_once(cfg, str(e) or "SIGINT"))   # or a second signal: one line, not a traceback
     finally:
         distributed.close()
     sys.exit(exit_code(summary))

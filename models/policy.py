@@ -155,18 +155,22 @@ def sft_loss_sum(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Ten
     return total
 
 
-def warm_start(task, model, tok, warm: WarmStart) -> list[float]:
+def warm_start(task, model, tok, warm: WarmStart, log=None) -> list[float]:
     """Supervised fine-tuning on fresh draws from the report-shaped mix; returns losses (the
     token mean of each step's NLL, as `model(labels=...).loss`). With warm.micro_batch (a
     real model), each step's examples go through the model that many at a time, each part's
     summed NLL over the whole step's labelled tokens (sft_loss_sum), so the gradients add up
-    to the whole batch's."""
+    to the whole batch's. log: where to say how far it is, at each quarter (it takes minutes)."""
     rng = random.Random(warm.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=warm.lr)
     device = next(model.parameters()).device
     losses = []
     model.train()
-    for _ in range(warm.steps):
+    t0 = time.time()
+    for step in range(warm.steps):
+        if log and step and step % max(warm.steps // 4, 1) == 0:
+            log(f"warm-start: step {step}/{warm.steps}, loss {losses[-1]:.2f}, {time.time() - t0:.0f}s "
+                f"(cached when done: the next run starts at once)")
         ids, mask, lab = (t.to(device) for t in sft_batch(task, tok, warm, rng))
         opt.zero_grad()
         if warm.micro_batch:
@@ -239,7 +243,7 @@ def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path
         from transformers import Qwen2ForCausalLM
         model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
         t0 = time.time()
-        losses = warm_start(task, model, tok, warm)
+        losses = warm_start(task, model, tok, warm, log)
         log_warm_start(log, f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters",
                        warm, losses, time.time() - t0)
         return model, tok
@@ -270,7 +274,7 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
     def build():
         model, tok = load()
         t0 = time.time()
-        losses = warm_start(task, model, prepare_tokenizer(tok), warm)
+        losses = warm_start(task, model, prepare_tokenizer(tok), warm, log)
         log_warm_start(log, f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} "
                        f"parameters", warm, losses, time.time() - t0)
         return model, tok

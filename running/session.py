@@ -345,3 +345,21 @@ def lost_rank_message(run: Run, error: RuntimeError) -> str:
     return (f"rank {distributed.rank()} of {distributed.size()} lost contact with another rank during step "
             f"{run.state.step + 1} ({first}); the job ends. metrics.jsonl holds every step up to "
             f"{run.state.step}; {how}")
+
+
+def stopped_at_once(cfg: Config, signal_name: str) -> int:
+    """Say in one line what a stop outside the loop's own handling left, and return the exit code
+    (128 + the signal). Before training (the folder holds no run) the folder this command made is
+    removed, so the same command starts afresh; the warm start is cached only once it is done."""
+    out = Path(cfg.out)
+    if checks.holds_run(out):
+        where = f"--resume {out} continues from its newest checkpoint" if checkpoint.find(out) else \
+            "it had no checkpoint yet: run the command again with --overwrite"
+        print(f"train.py: stopped at once ({signal_name}); {where}", file=sys.stderr)
+    else:
+        (out / ".lock").unlink(missing_ok=True)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        print(f"train.py: stopped ({signal_name}) before training began; nothing was written, run the "
+              f"command again to start", file=sys.stderr)
+    return 128 + checkpoint.SIGNALS.get(signal_name, 2)

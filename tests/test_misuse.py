@@ -242,11 +242,15 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_a_summary_then_resume(tmp_path
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT,
                             stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+    # the event, not a time: step 2 written (a loaded machine once took longer than a fixed wait,
+    # and the signal came before the run caught signals); the bound only ends a hung test
+    deadline = time.time() + 900
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and proc.poll() is None:
+        assert time.time() < deadline, "the run wrote no step 2 in 900 s"
         time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the signal"
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=900)
     assert proc.returncode == code, err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["interrupted"] == signal.Signals(sig).name and summary["steps"] < 400
@@ -254,6 +258,27 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_a_summary_then_resume(tmp_path
     c = config.parse_config(["--resume", str(tmp_path / "run"), "--steps", str(summary["steps"] + 2)])
     resumed = train.train(c)
     assert resumed["steps"] == summary["steps"] + 2 and resumed["seconds"] >= summary["seconds"]
+
+
+def test_ctrl_c_during_the_warm_start_is_one_line_and_leaves_nothing_behind(tmp_path):
+    """Ctrl-C before the run caught signals gave a 40-line KeyboardInterrupt traceback, and left
+    a folder that sent the same command to a -2 suffix. The warm start says how far it is."""
+    argv = [a for a in flags(tmp_path, "run", "--sft-steps", "4000") if a != "--quiet"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:                          # the event: the warm start's first progress line
+        lines.append(line)
+        if line.startswith("warm-start: step "):
+            break
+    assert proc.poll() is None, "".join(lines)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=900) == 130, rest
+    assert "Traceback" not in rest and rest.strip().splitlines() == [
+        "train.py: stopped (SIGINT) before training began; nothing was written, run the command again to start"], rest
+    assert not (tmp_path / "run").exists()
+    assert not list((tmp_path / "cache").glob("*")) or all(".tmp-" not in p.name for p in (tmp_path / "cache").iterdir())
 
 
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
