@@ -5,6 +5,7 @@ few seconds. Test files import the helpers
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
@@ -15,6 +16,23 @@ import ppo  # noqa: E402
 import update  # noqa: E402
 from models import policy  # noqa: E402
 from rollout import Rollout, completion_mask  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def sigterm_stops_the_suite(monkeypatch):
+    """A test that trains in-process catches SIGTERM (checkpoint.Interrupts: finish the step,
+    save, stop) and its run ends cleanly; the suite then went on as if nothing had been asked.
+    Here the suite stops after that test, exit 143, as it would on SIGTERM anywhere else."""
+    from running import checkpoint
+    caught, restore = [], checkpoint.Interrupts.restore
+
+    def restore_and_note(self):
+        caught.append(self.signal == "SIGTERM")
+        restore(self)
+    monkeypatch.setattr(checkpoint.Interrupts, "restore", restore_and_note)
+    yield
+    if any(caught):
+        pytest.exit("SIGTERM: a test's run caught it, saved and stopped; the suite stops here", returncode=143)
 
 
 def pytest_configure(config):

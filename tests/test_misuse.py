@@ -281,6 +281,33 @@ def test_ctrl_c_during_the_warm_start_is_one_line_and_leaves_nothing_behind(tmp_
     assert not list((tmp_path / "cache").glob("*")) or all(".tmp-" not in p.name for p in (tmp_path / "cache").iterdir())
 
 
+@pytest.mark.skipif(not os.environ.get("RL_LESSONS_PROBE_OUT"), reason="run by the next test, in a pytest of its own")
+def test_probe_a_long_run_in_process():
+    out = Path(os.environ["RL_LESSONS_PROBE_OUT"])
+    train.train(config.parse_config(flags(out.parent, out.name, "--steps", "400", "--eval-every", "1000")))
+
+
+def test_probe_after():
+    pass
+
+
+def test_sigterm_stops_the_test_suite_though_a_test_was_training_in_process(tmp_path):
+    """pytest ignored SIGTERM while a test trained in-process: the run caught it, and the suite
+    ran on. Now the suite stops after that test (conftest.sigterm_stops_the_suite), exit 143."""
+    env = dict(os.environ, RL_LESSONS_PROBE_OUT=str(tmp_path / "run"))
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_misuse.py",
+                             "-k", "test_probe_a_long_run_in_process or test_probe_after"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 900
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and proc.poll() is None:
+        assert time.time() < deadline, "the probe wrote no step 2 in 900 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 143, out
+    assert "the suite stops here" in out and "1 passed" in out and "2 passed" not in out, out
+
+
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
     train.train(config.parse_config(flags(tmp_path, "run", "--steps", "6", "--save-every", "1",
                                           "--keep-checkpoints", "2")))
