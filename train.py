@@ -152,11 +152,11 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
 
 def exit_code(summary: dict) -> int:
     """128 + the signal's number when one stopped the run (130 Ctrl-C, 143 SIGTERM, as a shell
-    reports a killed job); 1 when it stopped on a failure or could write none of its
-    checkpoints; else 0."""
+    reports a killed job); 1 when it stopped on a failure, could write none of its checkpoints,
+    or took no update at all because every one was non-finite; else 0."""
     if summary["interrupted"]:
         return 128 + checkpoint.SIGNALS[summary["interrupted"]]
-    return 1 if summary["stopped"] or summary.get("unsaved") else 0
+    return 1 if summary["stopped"] or summary.get("unsaved") or summary.get("nothing_learned") else 0
 
 
 # ---- the loop ----

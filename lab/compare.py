@@ -275,15 +275,21 @@ def main(argv=None):
     if args.nproc < 1:
         p.error(f"--nproc must be >= 1, got {args.nproc}")
 
+    unknown = [m for m in args.metrics.split(",") if not report.is_metric(m)]
+    if unknown:
+        p.error(f"--metrics: {unknown[0]!r} is not a metrics.jsonl key (running/report.py lists them)")
     if args.model:
         args.common = f"--model {shlex.quote(args.model)} {args.common}"
-    common = shlex.split(args.common)
+    try:                                          # an unbalanced quote: one line, not a traceback
+        common, settings = shlex.split(args.common), [shlex.split(s) for s in args.settings]
+    except ValueError as e:
+        p.error(f"--common or a setting: {e} (shell quoting)")
     columns = [x for x in args.columns.split(",") if x]
     owned = [f for f in ("--seed", "--out") if f in common]
     if owned:
         p.error(f"--common sets {owned[0]}, which compare sets for every run itself; leave it out")
-    for s in args.settings:                       # fail on a bad setting or column before any run
-        flags = [a for a in shlex.split(s) if a.startswith("--")]
+    for s, split in zip(args.settings, settings):  # fail on a bad setting or column before any run
+        flags = [a for a in split if a.startswith("--")]
         owned = [f for f in ("--seed", "--out") if f in flags]
         twice = [f for f in flags if flags.count(f) > 1]
         if owned or twice:
@@ -296,7 +302,7 @@ def main(argv=None):
         if held and not args.overwrite:
             p.error(f"--out: {str(held[0])!r} holds a run already; --overwrite replaces the runs "
                     f"under {str(args.out)!r}, another --out keeps them")
-        c = config.parse_config([a.replace("{seed}", "0") for a in common + shlex.split(s)] + ["--overwrite"] * args.overwrite +
+        c = config.parse_config([a.replace("{seed}", "0") for a in common + split] + ["--overwrite"] * args.overwrite +
                                 ["--out", str(args.out / "runs" / slug(s) / "s0")])
         if c.batch % args.nproc:
             p.error(f"--nproc: setting {s!r} has --batch {c.batch}, which does not split over {args.nproc} ranks")

@@ -75,6 +75,7 @@ def validate(cfg):
     need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
     cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
     policy_loss_checks(cfg, need)
+    range_checks(cfg, need)
     need(not cfg.tensorboard or has_tensorboard(), "tensorboard",
          "needs the tensorboard package, an optional dependency: pip install tensorboard==2.21.0")
     need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
@@ -102,6 +103,10 @@ def validate(cfg):
          f"--kl-control {cfg.kl_control} keeps beta in [{lo}, {hi}]; a starting --kl-coef {cfg.beta} is outside it")
     need(cfg.kl_target > 0, "kl-target", f"must be > 0, got {cfg.kl_target}")
     need(cfg.kl_horizon > 0, "kl-horizon", f"must be > 0, got {cfg.kl_horizon}")
+    # Ziegler's beta *= 1 + e * N / horizon with e down to -0.2 turns beta negative unless horizon > 0.2 N
+    need(cfg.kl_control != "proportional" or cfg.kl_horizon > 0.2 * cfg.n, "kl-horizon",
+         f"must be above 0.2 * N = {0.2 * cfg.n:g} (N = --batch x --k): the step beta *= 1 + e * N / horizon, "
+         f"e down to -0.2, would turn beta negative; got {cfg.kl_horizon:g}")
     need(0 < cfg.kl_target_min < cfg.kl_target_max, "kl-target-min",
          f"need 0 < --kl-target-min < --kl-target-max, got {cfg.kl_target_min} and {cfg.kl_target_max}")
     need(cfg.critic_lr >= 0, "critic-lr", f"must be > 0 (or 0 = --lr), got {cfg.critic_lr}")
@@ -198,6 +203,36 @@ def completion_limit(cfg) -> int:
     """The longest completion in policy tokens: one turn's limit, times the turns of a tool
     episode (one more per benchmark beyond the first)."""
     return new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1)
+
+
+# Values past which a run cannot mean anything: each passed the sign checks, made every step
+# non-finite (exp or a product overflowing float32) or exhausted memory, and the run said "done".
+# flag -> (lowest, highest), either None for no bound; 0 stays allowed where it means "off" or
+# "the default" (below). The bounds are far outside any setting the anchors or the reports use.
+RANGES = {"beta": (None, 100.0), "entropy_coef": (None, 100.0), "vf_coef": (None, 100.0),
+          "kl_cov_coef": (None, 100.0), "entropy_coef_max": (None, 100.0), "entropy_coef_delta": (None, 100.0),
+          "sapo_tau_pos": (1e-3, 1e3), "sapo_tau_neg": (1e-3, 1e3), "gmpo_delta": (None, 20.0),
+          "cispo_max": (1.0, 1e4), "dual_clip_c": (None, 1e4), "rollout_c_max": (None, 1e4),
+          "rce_temp_start": (1e-3, 1e3), "rce_temp_end": (1e-3, 1e3),
+          "rollout_temperature": (1e-3, 1e3), "collective_timeout": (1.0, 86400.0),
+          "k": (None, 4096), "batch": (None, 4096), "hidden": (None, 8192), "layers": (None, 256),
+          "eval_samples": (None, 1000), "log_samples": (0, 100000), "rollout_stale": (None, 64)}
+ZERO_MEANS_DEFAULT = ("rollout_temperature",)
+
+
+def range_checks(cfg, need) -> None:
+    """RANGES, and --rollout-stale below --steps (a sampler never staler than the run is long)."""
+    for name, (lo, hi) in RANGES.items():
+        value = getattr(cfg, name)
+        if value == 0 and name in ZERO_MEANS_DEFAULT:
+            continue
+        need((lo is None or value >= lo) and (hi is None or value <= hi), name.replace("_", "-"),
+             f"must be in [{'...' if lo is None else f'{lo:g}'}, {hi:g}], got {value:g}: past it the run "
+             f"cannot mean anything (float32 overflows, or memory runs out)"
+             if name != "cispo_max" else f"must be in [1, {hi:g}] (the cap is on the ratio, which is 1 "
+             f"on-policy; below 1 it scales every token's gradient down), got {value:g}")
+    need(cfg.rollout_stale < cfg.steps, "rollout-stale", f"{cfg.rollout_stale} updates old can never be "
+         f"reached in a run of --steps {cfg.steps} (and each step would keep a copy of the weights)")
 
 
 def policy_loss_checks(cfg, need) -> None:

@@ -1,6 +1,8 @@
 """What a run reports: one line of metrics.jsonl per step, the progress line, summary.json.
 
 Metrics, one JSON object per step (N = B*K rollouts of that step):
+    step                      the step (0: the evaluation before any update)
+    difficulty                tools task with --difficulty above 1: the step's benchmarks per episode
     reward_mean, reward_std   mean and population std of the N rewards
     best_rate, valid_rate     DSL task: share of rollouts that are the best workflow / any
                               valid DSL (valid_rate counts best ones too)
@@ -96,6 +98,7 @@ explained_variance_end (the median of the last 10 steps'). lab/compare.py and th
 """
 import json
 import math
+import re
 import resource
 import statistics
 import sys
@@ -263,6 +266,8 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
                    eval_value_rmse_end=last.get("eval_value_rmse"),
                    explained_variance_end=statistics.median(ev) if ev else None,
                    seconds=round(state.seconds, 1), peak_memory_mb=round(peak_memory_mb()), out=str(out))
+    if updates == 0 and state.skipped:            # every update non-finite: a run that learned nothing
+        summary["nothing_learned"] = True
     summary, _ = checkpoint.finite_json(summary)
     checkpoint.write_whole(out / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
     try:
@@ -274,6 +279,10 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
     log(f"{'stopped' if state.stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "
         f"rate {state.collapses}/{updates} (frozen-policy floor {summary['crash_floor']:.2f}), peak memory "
         f"{summary['peak_memory_mb']} MB; files in {out}/ (curves.png)")
+    if summary.get("nothing_learned"):            # --quiet hides progress, never this
+        print(f"train.py: error: every update of this run was non-finite ({state.skipped} skipped, none "
+              f"taken): nothing was learned; the step lines and metrics.jsonl's nonfinite say what overflowed",
+              file=sys.stderr)
     return summary
 
 
@@ -310,3 +319,17 @@ class TensorBoardMirror:
         self.writer.close()
         self.log.close()
 
+
+def is_metric(key: str) -> bool:
+    """Whether key is a metrics.jsonl key this docstring documents (eval_<rate>, failure/<kind>
+    and sampling/* as families): what `lab.compare --metrics` accepts."""
+    names = set()
+    for line in __doc__.split("summary.json (`finish`)")[0].splitlines():
+        named = re.match(r"^    (\S.*?)(\s{2,}|$)", line)          # the left column of the list above
+        names.update(n for n in re.split(r",\s*", named.group(1)) if n) if named else None
+    if key in names:
+        return True
+    if key.startswith("eval_"):                                     # eval_<rate>: a rate above, held out
+        return is_metric(key[len("eval_"):])
+    families = [n.split("<")[0].rstrip("*") for n in names if "<" in n or n.endswith("*")]
+    return any(key.startswith(f) and key != f for f in families if f != "eval_")

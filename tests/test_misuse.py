@@ -547,6 +547,17 @@ def test_compare_refuses_a_setting_it_would_silently_change(setting, says, tmp_p
     exits_2(capsys, lambda: compare.main([setting, "--seeds", "1", "--out", str(tmp_path)]), says)
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--k 8", "--metrics", "eval_bestrate"], "--metrics: 'eval_bestrate' is not a metrics.jsonl key"),
+    (["--k 8 --norm 'global", "--seeds", "1"], "No closing quotation"),
+    (["--k 8", "--common", "--lr '1e-3"], "No closing quotation"),
+])
+def test_compare_refuses_a_metric_typo_and_an_unbalanced_quote_before_any_run(argv, says, tmp_path, capsys):
+    """A typo in --metrics drew an empty figure, exit 0; an unbalanced quote was a traceback."""
+    exits_2(capsys, lambda: compare.main(argv + ["--out", str(tmp_path)]), says)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
     common = "--steps 2 --sft-steps 5 --batch 2 --k 4 --hidden 16 --layers 1 --quiet --cache-dir " + str(tmp_path / "c")
     compare.main(["--k 4", "--seeds", "1", "--common", common, "--out", str(tmp_path / "cmp")])
@@ -619,3 +630,44 @@ def test_the_warm_start_cache_is_the_repositorys_wherever_the_command_runs(tmp_p
     monkeypatch.chdir(tmp_path)
     cfg = config.parse_config(["--out", str(tmp_path / "r")])
     assert cfg.cache_dir == str(policy.CACHE) and policy.CACHE == ROOT.resolve() / ".cache" / "warmstart"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--rollout-temperature", "1e-300"], "--rollout-temperature"), (["--rollout-temperature", "1e300"], "--rollout-temperature"),
+    (["--policy-loss", "sapo", "--sapo-tau-pos", "1e-40"], "--sapo-tau-pos"),
+    (["--policy-loss", "sapo", "--sapo-tau-neg", "1e39"], "--sapo-tau-neg"),
+    (["--policy-loss", "kl-cov", "--kl-cov-coef", "1e39"], "--kl-cov-coef"), (["--entropy-coef", "1e39"], "--entropy-coef"),
+    (["--beta", "1e39"], "--beta"), (["--algo", "ppo", "--vf-coef", "1e39"], "--vf-coef"),
+    (["--entropy-target", "0.2", "--entropy-coef-max", "1e39"], "--entropy-coef-max"),
+    (["--entropy-target", "0.2", "--entropy-coef-delta", "1e39"], "--entropy-coef-delta"),
+    (["--algo", "rce", "--rce-temp-start", "5e-324"], "--rce-temp-start"),
+    (["--policy-loss", "cispo", "--cispo-max", "1e-50"], "--cispo-max"),
+    (["--policy-loss", "gmpo", "--gmpo-delta", "1e308"], "--gmpo-delta"),
+    (["--log-samples", "-1"], "--log-samples"), (["--rollout-stale", "1000000"], "--rollout-stale"),
+    (["--rollout-stale", "4"], "--rollout-stale"), (["--k", "100000000"], "--k"), (["--hidden", "1000000"], "--hidden"),
+    (["--eval-samples", "1000000000"], "--eval-samples"), (["--collective-timeout", "1e308"], "--collective-timeout"),
+    (["--collective-timeout", "1e-9"], "--collective-timeout"),
+    (["--kl-control", "proportional", "--kl-coef", "0.1", "--kl-horizon", "1"], "--kl-horizon"),
+])
+def test_values_that_can_only_overflow_are_refused_in_one_line(argv, flag, tmp_path, capsys):
+    """Each of these passed the checks and made every step non-finite (or ran out of memory),
+    and the run said "done", exit 0; --kl-horizon 1 drove beta to -0.06."""
+    exits_2(capsys, lambda: config.parse_config(flags(tmp_path, "x", *argv)), flag)
+
+
+def test_the_proportional_controller_keeps_beta_positive_at_the_lowest_horizon_allowed():
+    import kl
+    n = 8 * 8
+    c = kl.KLController(0.1, kl.KLRule("proportional", target=6.0, horizon=0.2 * n + 1e-3, samples_per_step=n))
+    for _ in range(50):
+        assert c.update(0.0) > 0                                   # the error at its floor, -0.2, every step
+
+
+def test_a_run_whose_every_update_was_non_finite_ends_with_exit_1_and_says_so(tmp_path, monkeypatch, capsys):
+    import grpo
+    real = grpo.policy_loss
+    monkeypatch.setattr(grpo, "policy_loss", lambda *a: (lambda out: (out[0] * float("nan"), out[1]))(real(*a)))
+    summary = train.train(config.parse_config(flags(tmp_path, "nan", "--steps", "3", "--entropy-coef", "0.01")))
+    assert summary["updates"] == 0 and summary["skipped_nonfinite"] == 3 and summary["nothing_learned"]
+    assert train.exit_code(summary) == 1
+    assert "every update of this run was non-finite" in capsys.readouterr().err
