@@ -215,10 +215,16 @@ def cached(path: Path, build, log=print):
                   f"moved to {aside.name}, building it again", file=sys.stderr)
     model, tok = build()
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    except (OSError, SafetensorError) as e:     # a full disk, a file-size limit: the run goes on uncached
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"warm-start: not cached ({type(e).__name__}: {str(e)[:120]}); this run goes on, the next one "
+              f"warms up again", file=sys.stderr)
+        return model, tok
     try:
         tmp.rename(path)
     except OSError:                              # "Directory not empty": another run won

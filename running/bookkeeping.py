@@ -7,6 +7,7 @@ train.py's loop calls end_step once per step; running/session.py sets a run up a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import shutil
 import time
 from dataclasses import dataclass
@@ -57,6 +58,8 @@ class RunState:
     kl_control: dict | None = None   # the value head and the adaptive entropy control, at the last save
     value_head: dict | None = None
     entropy_control: dict | None = None
+    pending_row: dict | None = None  # a stop's metrics line, kept in the checkpoint that precedes its
+                                     # evaluation: a kill during it (torchrun's SIGKILL) loses no step
 
     @classmethod
     def from_checkpoint(cls, saved: dict) -> "RunState":
@@ -104,8 +107,11 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     path = None
     if signal and main:
         # the weights first: torchrun kills the group 30 s after its SIGTERM, and a real model's
-        # held-out evaluation can take longer; the evaluation follows, if time allows
+        # held-out evaluation can take longer; the evaluation follows, if time allows. The step's
+        # metrics line goes into that checkpoint too, written by --resume if the kill came first.
+        state.pending_row = dict(row, seconds=time.time() - run.step_started)
         path = save(run)
+        state.pending_row = None
     # a stopped run is evaluated where it stops, so its eval_*_end are its own
     due = (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None
     best = False
@@ -135,8 +141,10 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
         report.progress(cfg, task, row, state.last_eval)
     if best and patience:                  # main only: early stopping keeps the best's weights
         save_best(run)
-    # a log the disk cut short: no checkpoint of this step (its line is lost), the last good one stays
-    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal and not full:
+    # a log the disk cut short: no checkpoint of this step (its line is lost), the last good one stays;
+    # with none (--save-every 0), this step's is written (the reserve's room): one line lost, not the run
+    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal and \
+            not (full and checkpoint.find(run.out)):
         path = save(run)
     if state.stopped:
         saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"
@@ -245,6 +253,13 @@ def save_best(run: Run) -> None:
         run.state.best_checkpoint = before
 
 
+def reserve_bytes(model, value_head=None) -> int:
+    """What session.start holds on the disk for the run's last checkpoint and summary: the fp32
+    weights three times (AdamW's two moments), and 4 MB for the rest (summary, curves, config)."""
+    params = list(model.parameters()) + (list(value_head.parameters()) if value_head is not None else [])
+    return 3 * sum(p.numel() * 4 for p in params) + 4 * 2 ** 20
+
+
 def checkpoint_bytes(run: Run) -> int:
     """About what a checkpoint takes on disk: the weights and the optimizer's state."""
     tensors = list(run.learner.models.model.parameters()) + [
@@ -267,12 +282,25 @@ def save(run: Run) -> Path | None:
                 f"(newest good checkpoint: {checkpoint.find(run.out) or 'none'})")
     else:
         try:
-            path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
-                                   dataclasses.asdict(snapshot), run.rng)
+            try:
+                path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
+                                       dataclasses.asdict(snapshot), run.rng)
+            except (OSError, RuntimeError, SafetensorError):
+                if not checkpoint.release(run.out):       # the room held for this (session.start): once
+                    raise
+                run.warn(f"step {state.step}: the disk is full; the room held for a checkpoint is used for it")
+                path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
+                                       dataclasses.asdict(snapshot), run.rng)
         except (OSError, RuntimeError, SafetensorError) as e:         # torch.save's failures are RuntimeErrors
             state.failed_saves += 1
             need, free = checkpoint_bytes(run), shutil.disk_usage(run.out).free
-            if free < need:               # a full disk: stop now, the last good checkpoint untouched
+            # a file-size limit, whatever the free space (safetensors says it in words: "os error 27")
+            if getattr(e, "errno", None) == errno.EFBIG or f"os error {errno.EFBIG})" in str(e):
+                state.stopped = (f"a file of the checkpoint of step {state.step} is larger than this system "
+                                 f"allows (ulimit -f, or FAT32's 4 GB); the last good one is "
+                                 f"{checkpoint.find(run.out) or 'none'}; raise the limit, or --out on another disk")
+                run.warn(f"step {state.step}: {state.stopped}")
+            elif free < need:             # a full disk: stop now, the last good checkpoint untouched
                 state.stopped = (f"the disk is full: the checkpoint of step {state.step} needs about "
                                  f"{need / 2**20:.0f} MB and {free / 2**20:.0f} MB are free; the last good one "
                                  f"is {checkpoint.find(run.out) or 'none'}; --resume {run.out} once there is room")

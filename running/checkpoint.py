@@ -66,6 +66,38 @@ def write_whole(path: Path, text: str) -> None:
         raise
 
 
+# a write refused for want of room: a full disk, a quota, a file-size limit (ulimit -f, FAT32's 4 GB)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+RESERVE = ".reserve"
+
+
+def reserve(run_dir: Path, nbytes: int) -> bool:
+    """Hold nbytes of the disk in RUN/.reserve, so a run the disk fills mid-way can still write
+    its checkpoint and summary: release() gives the room back first. False when the disk has
+    not that much room now (then nothing is held)."""
+    path = Path(run_dir) / RESERVE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        path.unlink(missing_ok=True)
+        return False
+
+
+def release(run_dir: Path) -> bool:
+    """Give the reserve's room back; True when there was one."""
+    path = Path(run_dir) / RESERVE
+    held = path.exists()
+    path.unlink(missing_ok=True)
+    return held
+
+
 class JsonlLog:
     """Append-only JSON-lines file: one complete line per os.write, nothing buffered. A
     non-finite number is written as null, and the line lists its keys under `nonfinite_logged`."""
@@ -89,7 +121,7 @@ class JsonlLog:
                 data = data[os.write(self.fd, data):]
         except OSError as e:
             self.lost += 1
-            self.full = self.full or e.errno in (errno.ENOSPC, errno.EDQUOT)
+            self.full = self.full or e.errno in NO_ROOM
             try:                          # the part that fitted goes: the next line starts whole
                 os.ftruncate(self.fd, start)
             except OSError:
@@ -112,6 +144,12 @@ class NoLog:
         pass
 
 
+def last_step(path: Path) -> int:
+    """The step of the last line of a log (after truncate_log: every line whole), -1 if none."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return json.loads(lines[-1])["step"] if lines else -1
+
+
 def truncate_log(path: Path, last_step: int) -> int:
     """Keep the lines of steps <= last_step (a resumed run redoes the rest). A line that is
     not a whole JSON object (a kill or a full disk mid-write tears the last one) is dropped;
@@ -125,6 +163,9 @@ def truncate_log(path: Path, last_step: int) -> int:
         try:
             step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        if not isinstance(step, int):            # {"step": null}: not a line this code wrote
             torn += 1
             continue
         if step <= last_step:

@@ -269,11 +269,14 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
     if updates == 0 and state.skipped:            # every update non-finite: a run that learned nothing
         summary["nothing_learned"] = True
     summary, _ = checkpoint.finite_json(summary)
-    checkpoint.write_whole(out / "summary.json", json.dumps(summary, indent=2, allow_nan=False))
+    writing = "summary.json"
     try:
+        checkpoint.write_whole(out / writing, json.dumps(summary, indent=2, allow_nan=False))
+        writing = "curves.png"
         plots.plot_run(out)
-    except OSError as e:                            # a full disk: the summary is written, the figure not
-        print(f"train.py: curves.png not written ({e}); summary.json is whole", file=sys.stderr)
+    except OSError as e:                            # a full disk: said in one line; metrics.jsonl has the run
+        print(f"train.py: {writing} not written ({e}); metrics.jsonl and the checkpoint hold the run",
+              file=sys.stderr)
     headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
                          for key in task.HEADLINE)
     log(f"{'stopped' if state.stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "

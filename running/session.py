@@ -35,7 +35,7 @@ import tasks
 from models import policy, pretrained
 from running import checkpoint, config, distributed, monitor, report, schedules
 from running import checks
-from running.bookkeeping import RunState, held_out, keep_best, save_best
+from running.bookkeeping import RunState, held_out, keep_best, reserve_bytes, save_best
 from running.config import Config, default_out
 
 
@@ -112,6 +112,7 @@ def open(cfg: Config):
         if not main:                                     # rank 0 writes the summary
             run.summary = dict(stopped=state.stopped, interrupted=state.interrupted)
             return
+        checkpoint.release(out)                          # the room held for the end: the summary's now
         state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
         state.seconds += time.time() - run.started       # the whole run's, over every resume
         run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
@@ -285,6 +286,14 @@ def start(cfg: Config, out: Path) -> Run:
                                                          **({"init_from_checkpoint": init} if init else {})), indent=2))
     logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
             for name in ("metrics.jsonl", "samples.jsonl")]
+    if cfg.resume and main and state.pending_row and checkpoint.last_step(out / "metrics.jsonl") < state.step:
+        logs[0].write(state.pending_row)             # killed during the stop's evaluation: its step's line
+        log(f"resume: wrote step {state.step}'s metrics line, saved with its checkpoint (the run was killed "
+            f"during the evaluation that follows a stop; that evaluation is lost)")
+    state.pending_row = None
+    if main and cfg.save_every == 0 and not checkpoint.reserve(out, reserve_bytes(model, value_head)):
+        log("the disk has not the room for this run's checkpoint; a full disk mid-run would lose the run "
+            "(--save-every N keeps earlier ones)")
     if cfg.tensorboard and main:                     # the metrics mirrored for TensorBoard
         logs[0] = report.TensorBoardMirror(logs[0], out / "tensorboard")
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, state, rng,
@@ -357,7 +366,8 @@ def stopped_at_once(cfg: Config, signal_name: str) -> int:
             "it had no checkpoint yet: run the command again with --overwrite"
         print(f"train.py: stopped at once ({signal_name}); {where}", file=sys.stderr)
     else:
-        (out / ".lock").unlink(missing_ok=True)
+        for leftover in (".lock", checkpoint.RESERVE):
+            (out / leftover).unlink(missing_ok=True)
         if out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         print(f"train.py: stopped ({signal_name}) before training began; nothing was written, run the "

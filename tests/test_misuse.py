@@ -464,6 +464,83 @@ def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, mon
     assert seen[-1][0] == 2 and seen[-1][1] is not None and seen[-1][1].name == "step-000002", seen
 
 
+def test_a_kill_during_the_evaluation_after_a_stop_loses_no_step(tmp_path, monkeypatch):
+    """SIGTERM, then SIGKILL during the held-out evaluation that follows (torchrun's grace): the
+    checkpoint preceded the step's metrics line, and after --resume that step was gone for good."""
+    from running import bookkeeping, distributed
+    steps = []
+    monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 3 else None))
+
+    class Killed(BaseException):
+        pass
+    real = bookkeeping.held_out
+
+    def held_out(run, row):
+        if row["step"] == 3:
+            raise Killed()                           # SIGKILL: nothing after this runs
+        return real(run, row)
+    monkeypatch.setattr(bookkeeping, "held_out", held_out)
+    with pytest.raises(Killed):
+        train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--eval-every", "1000")))
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    monkeypatch.setattr(bookkeeping, "held_out", real)
+    monkeypatch.setattr(distributed, "first_reason", lambda reason: None)
+    train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "5"]))
+    rows = read(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5] and rows[3]["reward_mean"] is not None
+
+
+def test_resume_drops_a_line_whose_step_is_not_a_number(tmp_path):
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "2", "--save-every", "2")))
+    with open(tmp_path / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": null}\n')
+    train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "3"]))
+    assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_a_disk_filling_mid_run_with_no_checkpoint_yet_still_leaves_one_to_resume(tmp_path, monkeypatch):
+    """--save-every 0 (the default): the disk filled at step 3, the log refused a line, and the
+    stop's checkpoint had no room either: a traceback, no summary, and the whole run lost. The
+    run holds the room for one checkpoint from its start (RUN/.reserve) and gives it back then."""
+    import errno
+    real_write, real_save = checkpoint.JsonlLog.write, checkpoint.save
+
+    def write(self, row):
+        if row.get("step") == 3 and self.path.name == "metrics.jsonl":
+            self.lost, self.full = self.lost + 1, True            # ENOSPC on this line
+            return
+        real_write(self, row)
+
+    def save(run_dir, *a, **kw):
+        if (run_dir / checkpoint.RESERVE).exists():                # the disk is full but for the reserve
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(run_dir, *a, **kw)
+    monkeypatch.setattr(checkpoint.JsonlLog, "write", write)
+    monkeypatch.setattr(checkpoint, "save", save)
+    summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "6")))
+    assert "the disk is full" in summary["stopped"] and summary["steps"] == 3
+    assert checkpoint.find(tmp_path / "run").name == "step-000003"
+    assert not (tmp_path / "run" / checkpoint.RESERVE).exists() and (tmp_path / "run" / "summary.json").exists()
+    monkeypatch.setattr(checkpoint.JsonlLog, "write", real_write)
+    resumed = train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]))
+    assert resumed["steps"] == 6 and [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 4, 5, 6]
+
+
+def test_a_file_size_limit_stops_the_run_at_its_first_checkpoint_in_one_line(tmp_path):
+    """ulimit -f (or FAT32's 4 GB): every checkpoint failed with "File too large" and the run
+    trained on, writing nothing it could resume from. Now it stops there, saying why, exit 1."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, 20 * 1024))     # the weights are 24 KB
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags(tmp_path, "run", "--steps", "6",
+                                                                           "--save-every", "2")],
+                          cwd=ROOT, capture_output=True, text=True, preexec_fn=limit)
+    assert proc.returncode == 1, proc.stderr
+    assert "larger than this system allows" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+
+
 def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_after(tmp_path, monkeypatch, capsys):
     """Issue 33: a full disk at a checkpoint gave torch.save's traceback. Now the run stops at
     once, saying what failed and how much room it needed, exit 1, the last good checkpoint
