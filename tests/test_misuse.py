@@ -162,6 +162,22 @@ def test_lab_writes_each_experiment_s_entry_as_it_ends(tmp_path, monkeypatch):
     assert summary["second"]["quick"] and "QUICK" in (tmp_path / "SUMMARY.md").read_text()
 
 
+def test_an_entry_missing_a_key_is_said_and_replaced_not_a_keyerror_after_the_run(tmp_path, monkeypatch, capsys):
+    """summary.json with an entry lacking 'measured': the lab ran the experiment, then died with
+    KeyError: 'measured' and recorded nothing."""
+    entry = dict(report="x", claim="c", measured="m", verdict="v", figure=None)
+    (tmp_path / "summary.json").write_text(json.dumps({"first": dict(report="x", claim="c", verdict="v", seconds=1)}))
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry), "second": lambda _: dict(entry)})
+    lab.main(["second", "--out", str(tmp_path)])
+    assert "entry 'first' lacks 'measured'" in capsys.readouterr().out
+    assert list(json.loads((tmp_path / "summary.json").read_text())) == ["second"]
+
+
+def test_a_file_where_an_experiments_folder_goes_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "k2_pm1").write_text("not a folder")
+    exits_2(capsys, lambda: lab.main(["k2_pm1", "--out", str(tmp_path)]), "is a file where the experiment's folder goes")
+
+
 def test_two_labs_into_one_folder_keep_both_entries_and_a_torn_summary_is_named(tmp_path, monkeypatch, capsys):
     """Issue 33: two `python -m lab --out X` at once lost one entry (each wrote the summary it
     read at its start); a torn summary.json blocked every later lab run."""
