@@ -64,8 +64,14 @@ class RolloutPolicy:
     sampler's log-probs recorded: from a copy in `dtype` ("same": the policy itself) holding the
     policy's weights of `stale` updates ago (0: this step's), at `temperature` (0: the
     training's). The copy is refreshed from the policy every step, as a trainer loads its
-    weights into vLLM. The stale weights are kept in memory only: a resumed run's first
-    `stale` steps sample fresher ones."""
+    weights into vLLM. The stale weights go into the run's checkpoints (state_dict), so a
+    resumed run samples from the same old weights as one that never stopped."""
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.extend(state["history"])
 
     def __init__(self, dtype: str = "same", stale: int = 0, temperature: float = 0.0):
         self.dtype, self.copy, self.temperature = DTYPES.get(dtype), None, temperature   # None: the policy's

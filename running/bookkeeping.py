@@ -58,6 +58,7 @@ class RunState:
     kl_control: dict | None = None   # the value head and the adaptive entropy control, at the last save
     value_head: dict | None = None
     entropy_control: dict | None = None
+    rollout_policy: dict | None = None   # --rollout-stale: the sampler's older weights (mismatch.py)
     pending_row: dict | None = None  # a stop's metrics line, kept in the checkpoint that precedes its
                                      # evaluation: a kill during it (torchrun's SIGKILL) loses no step
 
@@ -274,6 +275,8 @@ def save(run: Run) -> Path | None:
     snapshot = dataclasses.replace(state, monitor=run.stability.state_dict(), kl_control=run.kl_control.state_dict(),
                                    entropy_control=run.entropy_control.state_dict() if run.entropy_control else None,
                                    value_head=models.value_head.state_dict() if models.value_head is not None else None,
+                                   rollout_policy=(run.learner.rollout_policy.state_dict()
+                                                   if run.learner.rollout_policy else None),
                                    seconds=state.seconds + time.time() - run.started)
     path = None
     if not logprobs.forward_is_finite(models.model):

@@ -269,6 +269,9 @@ def start(cfg: Config, out: Path) -> Run:
             adaptive.load_state_dict(state.entropy_control)
         if value_head is not None:
             value_head.load_state_dict(state.value_head)
+        if learner.rollout_policy and state.rollout_policy:
+            learner.rollout_policy.load_state_dict(state.rollout_policy)
+        state.rollout_policy = None                  # the sampler holds them now; each save takes them again
         for name in ("metrics.jsonl", "samples.jsonl"):
             torn = checkpoint.truncate_log(out / name, state.step) if main else 0
             if torn:

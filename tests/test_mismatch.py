@@ -240,3 +240,18 @@ def test_under_fast_the_old_log_probs_come_before_the_update_when_a_mismatch_is_
     assert config.parse_config(quick(tmp_path, "f", "--fast")).reuse_old_logp
     assert not config.parse_config(quick(tmp_path, "g", "--fast", "--log-mismatch")).reuse_old_logp
     assert not config.parse_config(quick(tmp_path, "h", "--fast", "--rollout-correction", "tis")).reuse_old_logp
+
+
+def test_a_resumed_stale_sampler_samples_what_an_uninterrupted_one_does(tmp_path):
+    """--rollout-stale's old weights were kept in memory only: a resumed run's first steps
+    sampled fresher weights, and its numbers left the uninterrupted run's."""
+    from running import config
+    import train
+    argv = ["--rollout-stale", "2", "--rollout-correction", "tis", "--entropy-coef", "0.01", "--lr", "0.01"]
+    train.train(config.parse_config(quick(tmp_path, "whole", "--steps", "6", *argv)))
+    train.train(config.parse_config(quick(tmp_path, "cut", "--steps", "3", "--save-every", "3", *argv,
+                                          "--cache-dir", str(tmp_path / "cache"))))
+    train.train(config.parse_config(["--resume", str(tmp_path / "cut"), "--steps", "6"]))
+    whole, cut = metrics(tmp_path / "whole")[1:], metrics(tmp_path / "cut")[1:]
+    for key in ("reward_mean", "loss", "sampling/raw_importance_ratio/mean"):
+        assert [r[key] for r in cut] == pytest.approx([r[key] for r in whole], rel=1e-5), key
