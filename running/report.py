@@ -304,9 +304,12 @@ class TensorBoardMirror:
     OUT/tensorboard/ (`tensorboard --logdir OUT/tensorboard`). The JSON lines stay the record;
     a key with a slash (completions/mean_length) groups in TensorBoard as TRL's do."""
 
-    def __init__(self, log, folder: Path):
+    def __init__(self, log, folder: Path, purge_step: int | None = None):
+        """purge_step: a resumed run's first step; TensorBoard drops the abandoned history's
+        values from there on (without it, every step redone showed two values)."""
         from torch.utils.tensorboard import SummaryWriter      # needs `pip install tensorboard`
-        self.log, self.writer = log, SummaryWriter(str(folder))
+        self.log = log
+        self.writer = SummaryWriter(str(folder), **({"purge_step": purge_step} if purge_step else {}))
         self.lost, self.full = log.lost, log.full
 
     def write(self, row: dict) -> None:

@@ -298,7 +298,11 @@ def start(cfg: Config, out: Path) -> Run:
         log("the disk has not the room for this run's checkpoint; a full disk mid-run would lose the run "
             "(--save-every N keeps earlier ones)")
     if cfg.tensorboard and main:                     # the metrics mirrored for TensorBoard
-        logs[0] = report.TensorBoardMirror(logs[0], out / "tensorboard")
+        try:
+            logs[0] = report.TensorBoardMirror(logs[0], out / "tensorboard", state.step + 1 if cfg.resume else None)
+        except Exception as e:                       # a read-only folder, a full disk, a too-old package
+            print(f"train.py: --tensorboard: cannot write to {out / 'tensorboard'} ({type(e).__name__}: "
+                  f"{str(e)[:160]}); the run goes on, metrics.jsonl has every number", file=sys.stderr)
     run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, state, rng,
               prompts_of(task, cfg), *logs, log, started,
               warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))

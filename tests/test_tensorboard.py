@@ -14,8 +14,8 @@ class FakeWriter:
     """torch.utils.tensorboard.SummaryWriter's three calls, recorded."""
     made = []
 
-    def __init__(self, folder):
-        self.folder, self.scalars, self.closed = folder, [], False
+    def __init__(self, folder, purge_step=None):
+        self.folder, self.scalars, self.closed, self.purge_step = folder, [], False, purge_step
         FakeWriter.made.append(self)
 
     def add_scalar(self, key, value, step):
@@ -51,3 +51,28 @@ def test_without_the_package_tensorboard_is_refused_in_one_line(tmp_path, monkey
     assert e.value.code == 2 and err == ("train.py: error: --tensorboard: needs the tensorboard package, an "
                                          "optional dependency: pip install tensorboard==2.21.0")
     assert not (tmp_path / "tb").exists()
+
+
+def test_a_resumed_run_purges_the_abandoned_steps_from_tensorboard(tmp_path, monkeypatch):
+    """After --resume, TensorBoard kept the abandoned history's values: two a step redone."""
+    from running import config
+    import train
+    monkeypatch.setattr(checks, "has_tensorboard", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard", "--save-every", "2")))
+    assert FakeWriter.made[-1].purge_step is None
+    train.train(config.parse_config(["--resume", str(tmp_path / "tb"), "--steps", "5"]))
+    assert FakeWriter.made[-1].purge_step == 3           # the run's newest checkpoint is step 2
+
+
+def test_a_writer_that_cannot_start_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    from running import config
+    import train
+
+    def refuses(folder, **kw):
+        raise PermissionError(13, "Permission denied", folder)
+    monkeypatch.setattr(checks, "has_tensorboard", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=refuses))
+    summary = train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard")))
+    assert summary["steps"] == 3 and "--tensorboard: cannot write to" in capsys.readouterr().err
+
