@@ -267,9 +267,16 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
     on device, checked (logprobs.check_logprobs), warm-started on the task's mix when
     warm.steps > 0 and cached under cache_dir, keyed by the model and every warm-start setting."""
     def load():            # checked here, so a model we would get wrong is refused before any warm-up
-        tok = load_tokenizer(Path(folder))
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        try:               # a folder that passed pretrained's checks can still not be a causal LM we can load
+            tok = load_tokenizer(Path(folder))
+            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+            if len(tok) == 0:
+                raise ValueError("its tokenizer has no vocabulary")
+        except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ModelError(f"--model: {str(folder)!r} does not load as a causal language model with its "
+                             f"tokenizer ({type(e).__name__}: {first})") from e
         error = logprobs.check_logprobs(model)
         if not error < 1e-3:
             raise ModelError(f"--model: {str(folder)!r} ({type(model).__name__}) transforms its logits in a "

@@ -21,7 +21,7 @@ from running import checks
 from running import config
 import logprobs
 from lab import main as lab
-from models import policy
+from models import policy, pretrained
 import train
 from tasks import workflow_task
 from conftest import quick
@@ -120,6 +120,30 @@ def test_a_model_folder_missing_a_part_is_refused(damage, says, capsys, tmp_path
     capsys.readouterr()                                  # the save's progress bars
     exits_2(capsys, lambda: config.parse_config(["--model", str(folder), "--out", str(tmp_path / "x")]),
             says)
+
+
+def edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, **changes)))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: edit_config(d, hidden_size=32),                                       # shapes that disagree
+    lambda d: edit_config(d, model_type="no-such-architecture"),                    # an unknown model type
+    lambda d: edit_config(d, model_type="t5", architectures=["T5ForConditionalGeneration"]),   # not a causal LM
+])
+def test_a_model_folder_that_passes_the_checks_but_does_not_load_is_one_line(damage, tmp_path):
+    """Each gave a traceback after the checks; now pretrained.ModelError, which train.py prints
+    as one line with exit 2."""
+    folder = saved_model(tmp_path / "model")
+    damage(folder)
+    try:
+        cfg = config.parse_config(["--model", str(folder), "--sft-steps", "0", "--out", str(tmp_path / "x")])
+    except SystemExit as e:                              # refused by the checks already: as good
+        assert e.code == 2
+        return
+    with pytest.raises(pretrained.ModelError, match="does not load as a causal language model"):
+        train.train(cfg)
 
 
 def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
