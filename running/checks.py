@@ -381,6 +381,10 @@ def init_from_problem(cfg) -> str | None:
         return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
     if pretrained.cut_short(ckpt):
         return f"its checkpoint {ckpt.name} is damaged: {pretrained.cut_short(ckpt)}"
+    try:
+        json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"its checkpoint {ckpt.name} is damaged: its config.json does not read ({type(e).__name__})"
     if checkpoint.is_busy(checkpoint.run_dir_of(ckpt)):
         return "that run is still running (its folder is locked): start from it once it has ended"
     try:

@@ -146,6 +146,13 @@ def test_a_model_folder_that_passes_the_checks_but_does_not_load_is_one_line(dam
         train.train(cfg)
 
 
+def test_init_from_a_checkpoint_with_a_damaged_config_is_refused_in_one_line(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "first", "--steps", "2", "--save-every", "2")))
+    (tmp_path / "first" / "checkpoints" / "step-000002" / "config.json").write_text("{broken")
+    exits_2(capsys, lambda: config.parse_config(flags(tmp_path, "second", "--init-from", str(tmp_path / "first"))),
+            "its config.json does not read")
+
+
 def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
     (tmp_path / "file").write_text("")
     exits_2(capsys, lambda: bench.main(["--json", str(tmp_path / "file" / "b.json")]), "--json")
