@@ -196,6 +196,11 @@ if __name__ == "__main__":
         sys.exit(1)
     except KeyboardInterrupt as e:       # Ctrl-C before the run caught signals (loading, the warm start),
         sys.exit(stopped_at_once(cfg, str(e) or "SIGINT"))   # or a second signal: one line, not a traceback
+    except OSError as e:                 # no room on the disk before the run could say so itself
+        if e.errno not in checkpoint.NO_ROOM:
+            raise
+        print(f"train.py: the disk has no room ({e}); free some, then run the command again", file=sys.stderr)
+        sys.exit(1)
     finally:
         distributed.close()
     sys.exit(exit_code(summary))

@@ -461,9 +461,14 @@ def main(argv=None):
         print(f"  median ratio ours/TRL over {len(ratios)} pairs: {result['ratio']:.2f}; peak memory "
               f"ours {result['ours_peak_mb']:.0f} MB vs TRL {result['trl_peak_mb']:.0f} MB")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.json}")
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1))
+            print(f"wrote {args.json}")
+        except OSError as e:                     # a full disk after the benchmark: its numbers are above
+            print(f"python -m lab.bench: --json {args.json} not written ({e}); the figures are printed above",
+                  file=sys.stderr)
+            sys.exit(1)
 
 
 if __name__ == "__main__":

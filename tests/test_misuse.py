@@ -795,3 +795,15 @@ def test_a_run_whose_every_update_was_non_finite_ends_with_exit_1_and_says_so(tm
     assert summary["updates"] == 0 and summary["skipped_nonfinite"] == 3 and summary["nothing_learned"]
     assert train.exit_code(summary) == 1
     assert "every update of this run was non-finite" in capsys.readouterr().err
+
+
+def test_a_disk_with_no_room_at_the_start_is_one_line_and_exit_1(tmp_path):
+    """A full disk when the run writes its config.json, before it could say so itself: a traceback."""
+    code = ("import errno, runpy, sys; sys.path.insert(0, '.'); from running import checkpoint\n"
+            "def full(path, text): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+            "checkpoint.write_whole = full\n"
+            f"sys.argv = ['train.py', *{flags(tmp_path, 'run')!r}]\n"
+            "runpy.run_path('train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("train.py: the disk has no room"), proc.stderr
