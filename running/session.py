@@ -94,6 +94,8 @@ def open(cfg: Config):
     # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock)
     with checkpoint.RunLock(out) if main else contextlib.nullcontext():
         run = start(cfg, out)
+        # the handlers stay through the writing after the loop: a signal in the run's last second
+        # is noted and the summary and curves.png are finished (it once killed the process between them)
         with checkpoint.Interrupts(run.log) as run.interrupts:
             if run.learner.dynamic:           # a signal ends dynamic sampling's rounds within one round
                 run.learner.dynamic.stop = lambda: run.interrupts.signal is not None
@@ -105,21 +107,28 @@ def open(cfg: Config):
                 run.metrics.close()
                 run.samples.close()
                 raise RankLost(lost_rank_message(run, e)) from e
-        state = run.state
-        state.interrupted = run.interrupts.signal
-        run.metrics.close()
-        run.samples.close()
-        if not main:                                     # rank 0 writes the summary
-            run.summary = dict(stopped=state.stopped, interrupted=state.interrupted)
-            return
-        checkpoint.release(out)                          # the room held for the end: the summary's now
-        state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
-        state.seconds += time.time() - run.started       # the whole run's, over every resume
-        run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
-        if state.failed_saves and checkpoint.find(out) is None:       # --quiet hides progress, never this
-            run.summary["unsaved"] = True
-            run.warn(f"error: none of this run's {state.failed_saves} checkpoint(s) could be written "
-                     f"(see the lines above); it cannot be resumed")
+            close_run(run, out, main)
+
+
+def close_run(run: Run, out: Path, main: bool) -> None:
+    """After the loop: close the logs; rank 0 writes the summary (run.summary) and curves.png.
+    state.interrupted is the signal that stopped the loop, or None: one arriving now finds
+    every step done, and is obeyed by finishing these files."""
+    state = run.state
+    state.interrupted = run.state.stopped and run.interrupts.signal or None
+    run.metrics.close()
+    run.samples.close()
+    if not main:                                     # rank 0 writes the summary
+        run.summary = dict(stopped=state.stopped, interrupted=state.interrupted)
+        return
+    checkpoint.release(out)                          # the room held for the end: the summary's now
+    state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
+    state.seconds += time.time() - run.started       # the whole run's, over every resume
+    run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
+    if state.failed_saves and checkpoint.find(out) is None:       # --quiet hides progress, never this
+        run.summary["unsaved"] = True
+        run.warn(f"error: none of this run's {state.failed_saves} checkpoint(s) could be written "
+                 f"(see the lines above); it cannot be resumed")
 
 
 def difficulty(run: Run, step: int) -> int:
@@ -277,8 +286,10 @@ def start(cfg: Config, out: Path) -> Run:
             if torn:
                 log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
         aside = checkpoint.set_aside_later(out, state.step) if main else None
-        if aside:
-            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}")
+        if aside:                                    # whole later checkpoints, or only a save cut short
+            whole = [p for p in aside.iterdir() if p.suffix != ".tmp" and (p / checkpoint.STATE_FILE).is_file()]
+            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}"
+                if whole else f"resume: a checkpoint whose save was cut short moved to {aside.name}")
         log(f"resumed from {used} at step {state.step}")
     ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
     if distributed.launched():

@@ -807,3 +807,29 @@ def test_a_disk_with_no_room_at_the_start_is_one_line_and_exit_1(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("train.py: the disk has no room"), proc.stderr
+
+
+def test_a_signal_in_the_runs_last_second_leaves_every_file_whole(tmp_path, monkeypatch):
+    """A signal between summary.json and curves.png killed the process (the handlers were gone):
+    no curves.png. Now it is noted and the files are finished; the run had done every step, so
+    its summary says so. (SIGINT: the suite's own SIGTERM guard would stop the suite.)"""
+    from running import report
+    real = report.finish
+
+    def finish(*a, **kw):
+        os.kill(os.getpid(), signal.SIGINT)                 # after the loop, before the files
+        return real(*a, **kw)
+    monkeypatch.setattr(report, "finish", finish)
+    summary = train.train(config.parse_config(flags(tmp_path, "run")))
+    assert summary["steps"] == 4 and summary["interrupted"] is None and train.exit_code(summary) == 0
+    assert (tmp_path / "run" / "curves.png").is_file() and (tmp_path / "run" / "summary.json").is_file()
+
+
+def test_a_checkpoint_cut_short_is_not_called_the_abandoned_history(tmp_path, capsys):
+    train.train(config.parse_config(flags(tmp_path, "run", "--steps", "2", "--save-every", "2")))
+    (tmp_path / "run" / "checkpoints" / "step-000004.tmp").mkdir()          # a save killed half-way
+    capsys.readouterr()
+    train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "3"]))     # not --quiet
+    err = capsys.readouterr().err
+    assert "whose save was cut short moved to checkpoints.abandoned-after-step-2" in err, err
+    assert "abandoned history" not in err
