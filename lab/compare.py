@@ -211,6 +211,11 @@ def table(results: dict, columns=()) -> str:
     return "\n".join(lines)
 
 
+# Metrics whose early values run off the scale the lesson reads: explained variance is 1 - Var(G - V)
+# / Var(G), -900 when every return is nearly equal (report.py); below -1 the critic is useless all the same.
+AXIS_FLOOR = {"explained_variance": -1.05}
+
+
 def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -> None:
     """A panel per (metric, setting): a thin line per seed and their mean. Settings run in
     columns, at most 4 to a row; each metric starts a new block of rows."""
@@ -242,6 +247,8 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
         used = [axes[i * block + j // cols][j % cols] for j in range(len(results))]
         if key not in ("kl", "kl_coef"):
             low, high = min(ax.get_ylim()[0] for ax in used), max(ax.get_ylim()[1] for ax in used)
+            if key in AXIS_FLOOR:           # the scale of the claim, not of one wild early step
+                low = max(low, AXIS_FLOOR[key])
             for ax in used:
                 ax.set_ylim(low, high)
     lines = textwrap.wrap(title, 44 * cols)

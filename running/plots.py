@@ -106,7 +106,7 @@ def plot_run(run_dir: Path) -> Path:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         return [p[0] for p in pts], [p[1] for p in pts]
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     ax = axes[0]
     tools = cfg.get("task") == "tools"
     rates = ["accuracy", "tool_success_rate", "wellformed_rate"] if tools else \
@@ -126,9 +126,13 @@ def plot_run(run_dir: Path) -> Path:
     ax.plot(*series("frac_adv_negative"), label="share A < 0")
     ax.set(xlabel="step", title="advantages")
     ax.legend(fontsize=7)
-    ax = axes[2]
-    for key in ["entropy", "kl", "kl_coef", "clip_frac", "grad_norm", "value_loss"]:
-        ax.plot(*series(key), label=key)
+    ax = axes[2]                    # the entropy on its own linear axis: the collapse this course is about
+    ax.plot(*series("entropy"), "C4-", label="token entropy (the update's)")
+    ax.set(xlabel="step", ylabel="nats a token", ylim=(0, None), title="entropy")
+    ax.legend(fontsize=7)
+    ax = axes[3]                    # the rest span decades (grad_norm ~1, kl ~1e-3): symlog
+    for key, color in zip(["kl", "kl_coef", "clip_frac", "grad_norm", "value_loss"], ["C0", "C1", "C2", "C3", "C5"]):
+        ax.plot(*series(key), color, label=key)
     ax.set(xlabel="step", yscale="symlog", title="update")
     ax.legend(fontsize=7)
     algo = cfg.get("algo", "grpo")

@@ -107,3 +107,15 @@ if __name__ == "__main__":
     print("longest:")
     for name, (p, lines) in sorted(rows, key=lambda kv: -kv[1][1])[:top]:
         print(f"{name:48s} {p:6d} {lines:6d}")
+
+
+def test_every_relative_link_in_the_readme_and_the_docs_resolves():
+    """Images and pages linked from docs/ as if from the repository's root were broken (Lesson 5's
+    curves, the lab notebook's nineteen figures)."""
+    import re
+    root = Path(__file__).resolve().parent.parent
+    pages = [root / "README.md", *root.glob("docs/**/*.md"), *root.glob("results/**/SUMMARY.md")]
+    broken = [(str(md.relative_to(root)), target) for md in pages
+              for target, _ in re.findall(r"\]\(([^)#\s]+)(#[^)]*)?\)", md.read_text())
+              if not target.startswith(("http://", "https://", "mailto:")) and not (md.parent / target).exists()]
+    assert not broken, broken
