@@ -3,7 +3,6 @@ gradient clipping, fixed against scheduled hyper-parameters, entropy, and the st
 (docs/reports.md)."""
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
