@@ -82,6 +82,16 @@ class Run:
 # ---- open and close ----
 
 @contextlib.contextmanager
+def threads_kept():
+    """torch's thread count as it was, after the block (start sets --threads)."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def open(cfg: Config):
     """The run of cfg, set up (or resumed) in its locked folder, signals caught; on leaving
     the block its logs are closed and rank 0 writes the summary (run.summary)."""
@@ -91,8 +101,9 @@ def open(cfg: Config):
     main = distributed.is_main()
     if main:
         out.mkdir(parents=True, exist_ok=True)
-    # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock)
-    with checkpoint.RunLock(out) if main else contextlib.nullcontext():
+    # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock);
+    # torch's thread count (start: --threads) is given back after, for whoever called train()
+    with checkpoint.RunLock(out) if main else contextlib.nullcontext(), threads_kept():
         run = start(cfg, out)
         # the handlers stay through the writing after the loop: a signal in the run's last second
         # is noted and the summary and curves.png are finished (it once killed the process between them)

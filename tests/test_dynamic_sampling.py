@@ -166,7 +166,7 @@ def test_a_correction_acts_under_dynamic_sampling(tmp_path):
         train.train(config.parse_config(quick(tmp_path, name, "--dynamic-sampling", "--rollout-stale", "1",
                                               "--max-sampling-rounds", "4", "--steps", "6", "--lr", "0.01", *extra)))
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()[1:]]
-        assert all("sampling/importance_sampling_ratio/mean" in r for r in rows), sorted(rows[0])
+        assert all("sampling/raw_importance_ratio/mean" in r for r in rows), sorted(rows[0])
         losses[name] = [r["loss"] for r in rows]
     pairs = [(a, b) for a, b in zip(losses["plain"][1:], losses["tis"][1:]) if a is not None and b is not None]
     assert pairs, "no step after the first took an update in both runs"
