@@ -51,7 +51,8 @@ def token_ratio(logp, old_logp):
     """r_it = exp(log r_it), log r_it clamped to [-20, 20] first (verl's clamp): past log r = 88
     exp gives inf in float32, and a branch torch.where does not take then still sends 0 * inf =
     NaN into the gradient (dual-clip's capped tokens, SAPO's gate). e^20 is far past every
-    bound here, so no loss value changes; a clamped token has no gradient, as in verl."""
+    clip and cap here; a value changes only for a token past it (KL-Cov's unclipped -r A: e^20 A
+    instead of inf), and a clamped token has no gradient, as in verl."""
     return torch.exp((logp - old_logp).clamp(-20.0, 20.0))                      # (n, C)
 
 
