@@ -114,7 +114,7 @@ class RealLab:
 
 def finished(argv: list) -> dict | None:
     """The summary of the run argv asks for, if one finished in its folder with the same
-    configuration (every flag but --quiet/--overwrite) and was not interrupted; else None."""
+    configuration (every flag but those of config.NOT_IN_RESULTS) and was not interrupted; else None."""
     out = Path(argv[argv.index("--out") + 1])
     try:
         summary = json.loads((out / "summary.json").read_text())
@@ -124,7 +124,7 @@ def finished(argv: list) -> dict | None:
     wanted = flags(argv)
     # a flag added after the run was made is not in its config.json: it ran with that flag's default
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
-    same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in ("quiet", "overwrite"))
+    same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in config.NOT_IN_RESULTS)
     return summary if same and not summary.get("interrupted") else None      # a stopped run is a result
 
 

@@ -393,7 +393,10 @@ def processes_of(run_dir: Path) -> int:
     return int(found.group(1)) if found else 1
 
 
-RESUME_MAY_CHANGE = ("steps", "quiet", "resume", "overwrite", "threads")
+# Flags that change how a run is carried out, not what it computes: where the warm start is
+# cached, torch's threads (identical results), the printing, and replacing a folder.
+NOT_IN_RESULTS = ("quiet", "overwrite", "threads", "cache_dir")
+RESUME_MAY_CHANGE = ("steps", "resume", *NOT_IN_RESULTS)
 
 
 def resumed_config(cfg: Config, given: dict) -> Config:

@@ -14,6 +14,8 @@ import pytest
 from lab import compare
 from lab import real
 
+ROOT = Path(__file__).resolve().parent.parent
+
 TINY = "--eval-every 2 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1"
 
 
@@ -122,3 +124,12 @@ def test_a_run_in_a_process_of_its_own_matches_this_process_and_dies_with_the_la
     while processes_naming(str(out)) and time.time() < deadline:
         time.sleep(0.2)
     assert processes_naming(str(out)) == [], "the run died with the lab"
+
+
+def test_every_committed_smollm2_run_is_kept_by_todays_lab(monkeypatch):
+    """A flag that changes where a run works, not what it computes (the warm-start cache's
+    folder, threads: config.NOT_IN_RESULTS), once made the lab take every committed run for one
+    of other flags, move it aside and start 1.8 hours of runs again."""
+    monkeypatch.chdir(ROOT)                     # as `python -m lab --model smollm2-135m` runs
+    committed = real.RealLab(Path("results/smollm2-135m"), "smollm2-135m")
+    assert real.estimate(committed, list(real.SETTINGS)) == (0, 0.0)
