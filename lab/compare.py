@@ -8,7 +8,8 @@ seeds 0 .. S-1 into OUT/runs/<setting>/s<seed>/, all from the same cached warm s
 a Markdown table of the final held-out rates (mean ± std over seeds, [min-max]), how many
 runs ended off-format (held-out valid rate < 0.5), the crash-after-update rate and its
 floor (what a frozen policy would score at the same on-format rates: running/monitor.py), and
-draws OUT/compare.png: held-out best rate per step, a thin line per seed and the mean.
+draws OUT/compare.png: held-out best rate per step, each setting's mean over seeds and its
+spread (min to max) overlaid on one panel.
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
 
     python -m lab.compare --seeds 3 --nproc 2 --out runs/ddp2 "--k 8 --norm global"   # each run under torchrun
@@ -214,46 +215,49 @@ def table(results: dict, columns=()) -> str:
 # Metrics whose early values run off the scale the lesson reads: explained variance is 1 - Var(G - V)
 # / Var(G), -900 when every return is nearly equal (report.py); below -1 the critic is useless all the same.
 AXIS_FLOOR = {"explained_variance": -1.05}
+LOG_SCALE = ("kl", "kl_coef")
+
+
+def band(runs: list, key: str) -> tuple:
+    """A setting's curve of `key` over its seeds: (steps, mean, min, max), each step over the
+    seeds that logged it there (a stopped run is shorter; a metric a step could not compute,
+    such as the entropy of no completion, is missing; evaluations exist only at their steps)."""
+    by_step = [{x["step"]: x[key] for x in plots.read_metrics(r["out"]) if x.get(key) is not None}
+               for r in runs]
+    steps = sorted(set().union(*by_step))
+    cols = [[s[t] for s in by_step if t in s] for t in steps]
+    return steps, [statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
 
 
 def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -> None:
-    """A panel per (metric, setting): a thin line per seed and their mean. Settings run in
-    columns, at most 4 to a row; each metric starts a new block of rows."""
-    cols = min(4, len(results))
-    block = -(-len(results) // cols)                                # rows per metric
-    fig, axes = plt.subplots(block * len(metrics), cols, figsize=(4 * cols, 3 * block * len(metrics)),
-                             squeeze=False)
-    for i in range(len(metrics)):                                   # the unused panels of each block
-        for j in range(len(results), block * cols):
-            axes[i * block + j // cols][j % cols].set_visible(False)
-    for j, (name, runs) in enumerate(results.items()):
-        for i, key in enumerate(metrics):
-            ax, curves = axes[i * block + j // cols][j % cols], []
-            for r in runs:
-                rows = [x for x in plots.read_metrics(r["out"]) if x.get(key) is not None]
-                steps = [x["step"] for x in rows]             # step 0 is the warm start
-                ys = [x[key] for x in rows]
-                ax.plot(steps, ys, color=f"C{i}", alpha=0.3, lw=1)
-                curves.append(ys)
-            n = min(map(len, curves))                          # a stopped run is shorter
-            mean = [statistics.mean(col) for col in zip(*(ys[:n] for ys in curves))]
-            ax.plot(steps[:n], mean, color=f"C{i}", lw=2.5, label=f"mean of {len(runs)} seeds")
-            ax.set(xlabel="step", ylabel=key)
-            if key in ("kl", "kl_coef"):
-                ax.set_yscale("log")
-            ax.set_title("\n".join(textwrap.wrap(name, 42)), fontsize=8)
-            ax.legend(fontsize=7)
-    for i, key in enumerate(metrics):                               # one y range per metric
-        used = [axes[i * block + j // cols][j % cols] for j in range(len(results))]
-        if key not in ("kl", "kl_coef"):
-            low, high = min(ax.get_ylim()[0] for ax in used), max(ax.get_ylim()[1] for ax in used)
-            if key in AXIS_FLOOR:           # the scale of the claim, not of one wild early step
-                low = max(low, AXIS_FLOOR[key])
-            for ax in used:
-                ax.set_ylim(low, high)
-    lines = textwrap.wrap(title, 44 * cols)
+    """A panel per metric, the settings overlaid: each its mean over seeds (a line) and its
+    spread, min to max (a band), so the comparison is read in one place on one scale."""
+    cols = min(3, len(metrics))
+    rows = -(-len(metrics) // cols)
+    lines = textwrap.wrap(title, 60 * cols)
+    top, bottom = 0.25 * len(lines) + 0.2, 0.5 + 0.2 * -(-len(results) // 2)     # inches: title, legend
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows + top + bottom), squeeze=False)
+    for j in range(len(metrics), rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    for i, key in enumerate(metrics):
+        ax, drawn = axes[i // cols][i % cols], 0
+        for j, (name, runs) in enumerate(results.items()):
+            steps, mean, low, high = band(runs, key)        # step 0 is the warm start
+            ax.fill_between(steps, low, high, color=f"C{j}", alpha=0.18, lw=0)
+            ax.plot(steps, mean, color=f"C{j}", lw=2, label=f"{textwrap.shorten(name, 48)} ({len(runs)})")
+            drawn += len(steps)
+        ax.set(xlabel="step", ylabel=key)
+        if not drawn:
+            ax.text(0.5, 0.5, "no run logged it", ha="center", transform=ax.transAxes)
+        elif key in LOG_SCALE:
+            ax.set_yscale("log")
+        elif key in AXIS_FLOOR:             # the scale of the claim, not of one wild early step
+            ax.set_ylim(max(ax.get_ylim()[0], AXIS_FLOOR[key]), ax.get_ylim()[1])
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(2, len(labels)), fontsize=8,
+               title="setting (seeds): mean, band from min to max over seeds", title_fontsize=8)
     fig.suptitle("\n".join(lines), fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, max(0.7, 1 - 0.2 * (len(lines) + 0.5) / fig.get_figheight())))
+    fig.tight_layout(rect=(0, bottom / fig.get_figheight(), 1, 1 - top / fig.get_figheight()))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 

@@ -162,3 +162,21 @@ def test_the_bench_without_trl_points_to_a_page_that_exists(capsys, monkeypatch)
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     page = err.split("see ")[-1].rstrip(")")
     assert (Path(__file__).parent.parent / page).is_file(), f"the hint names {page!r}"
+
+
+def test_a_comparison_figure_draws_each_setting_as_its_mean_and_spread_over_the_seeds_that_logged_a_step(tmp_path):
+    """compare.figure overlays the settings on one panel a metric: each a mean line and a band
+    from min to max, at every step over the seeds that logged the metric there."""
+    from lab import compare
+    logged = {0: [(0, 0.1), (1, 0.5), (2, None)], 1: [(0, 0.3), (1, 0.1), (2, 0.4)], 2: [(0, 0.2)]}   # seed 2 stopped
+    runs = []
+    for seed, rows in logged.items():
+        out = tmp_path / f"s{seed}"
+        out.mkdir()
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"step": t, "entropy": v}) + "\n" for t, v in rows))
+        runs.append({"out": str(out)})
+    steps, mean, low, high = compare.band(runs, "entropy")
+    assert steps == [0, 1, 2]
+    assert mean == pytest.approx([0.2, 0.3, 0.4]) and low == [0.1, 0.1, 0.4] and high == [0.3, 0.5, 0.4]
+    compare.figure({"a": runs, "b": runs[:2]}, tmp_path / "compare.png", "t", ("entropy", "kl"))
+    assert (tmp_path / "compare.png").stat().st_size > 0
