@@ -1,8 +1,10 @@
 """The policy-gradient objective: PPO's clip and what 2025-26 trainers put in its place.
 
 PPO's clip (grpo.clipped_surrogate) bounds how far one update moves each token's probability:
-outside [1 - eps_low, 1 + eps_high] a token's gradient is exactly 0. That is the safety, and
-the problem the newer objectives answer. A rare token the policy is starting to prefer
+a token past the edge its advantage pushes toward (r > 1 + eps_high with A > 0, r < 1 - eps_low
+with A < 0) has a gradient of exactly 0. That is the safety, and the problem the newer
+objectives answer; a token past the other edge keeps its gradient (A < 0 at r = 100 is pushed
+down with weight 100), which is why dual-clip exists. A rare token the policy is starting to prefer
 ("Wait", a second workflow for a problem type) quickly leaves the range and stops learning,
 which feeds the entropy collapse this course is about (Lesson 5: SmolLM2 writes one workflow
 for every prompt); and for a negative advantage the clip never bounds the loss at all when

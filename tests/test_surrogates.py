@@ -148,13 +148,17 @@ def test_cispo_keeps_a_gradient_on_a_clipped_token_where_ppos_clip_gives_none():
 
 @pytest.mark.lesson
 def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token_whose_ratio_explodes():
-    """A = -1, r = 100: PPO's clip charges 100 (its min keeps r*A); dual-clip caps it at c = 3."""
+    """A = -1, r = 100: PPO's clip charges 100 (its min keeps r*A) and keeps the token's gradient,
+    d(-r A)/dlogp = -r A = 100 (past 1 + eps, the edge A < 0 does not push toward, nothing stops
+    it); dual-clip caps the loss at c = 3, with gradient 0."""
     old = torch.tensor([[-6.0]])
-    logp = old + torch.log(torch.tensor(100.0))
+    logp = (old + torch.log(torch.tensor(100.0))).requires_grad_(True)
     ratio, adv = torch.exp(logp - old), torch.tensor([-1.0])
     clip_loss, _, _ = surrogates.ppo_clip(ratio, adv, 0.2, 0.2)
     dual_loss, low, _ = surrogates.dual_clip(ratio, adv, 0.2, 0.2, 3.0)
     assert clip_loss.item() == pytest.approx(100.0, rel=1e-4) and dual_loss.item() == pytest.approx(3.0)
+    assert torch.autograd.grad(clip_loss.sum(), logp, retain_graph=True)[0].item() == pytest.approx(100.0, rel=1e-4)
+    assert torch.autograd.grad(dual_loss.sum(), logp)[0].item() == 0.0
     assert low.all(), "the cap is counted in the lower clip fraction (verl's pg_clipfrac_lower)"
 
 
