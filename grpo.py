@@ -14,7 +14,18 @@ Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
     loss_it   = -surrogate + beta * kl_it - entropy_coef * H_it
                 (--policy-loss: dual-clip, CISPO, SAPO, GMPO, Clip-Cov or KL-Cov in its place: surrogates.py)
 
-summed over tokens and divided by one of three normalisers (`aggregate`). GRPO departs
+summed over tokens and divided by one of three normalisers (`aggregate`).
+
+DeepSeekMath's GRPO: group normalisation, several updates per batch (so ratios move and the
+clip acts), beta 0.04 with k3, each sequence's tokens averaged before the group. The default
+run (`python train.py`) keeps none of the last three and normalises globally:
+
+    epochs 1, one mini-batch   every ratio is 1 and the clip is inert: the update is the
+                               plain policy gradient (tests/test_surrogates.py)      --epochs 2
+    beta 0                     no KL term, no reference model in memory              --beta 0.04
+    norm global                a batch's mean and std, not a group's: report 001's K=2 lesson
+                               (advantages.py) is the reason it is not the default   --norm group
+    loss-agg token-mean        DAPO's: a long sequence is not down-weighted          --loss-agg seq-mean-token-mean GRPO departs
 from PPO in two places: the advantage is a group statistic of sequence rewards instead of a
 learned value (no critic), and the KL to the reference is a loss term instead of a reward
 penalty. eps_high > eps_low is DAPO's decoupled ("clip-higher") bound.

@@ -11,6 +11,15 @@
     torchrun --standalone --nproc_per_node 2 train.py --k 8 --norm global      # the same run on 2 processes
     python train.py --help                         # every flag, with its meaning
 
+The default run is not DeepSeekMath's GRPO. It departs in four places, each a flag away:
+
+    one epoch, one mini-batch: every ratio is 1, so the clip never acts     --epochs 2 (or --mini-batch N/2)
+    beta 0: no KL term and no reference model                               --beta 0.04
+    global normalisation, (r - mean) / std over the whole batch             --norm group
+    token-mean: every token of the batch weighs the same                    --loss-agg seq-mean-token-mean
+
+so it is the plain policy gradient with a baseline (grpo.py says why each is the default).
+
 One step (`rl_step`), file by file: the task (tasks/) samples K completions or K tool-calling
 episodes per prompt (rollout.py, which records their log-probs with logprobs.py) and scores
 them (rewards.py); the algorithm's `prepare` turns the rewards into advantages (grpo.py: one

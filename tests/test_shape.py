@@ -119,3 +119,19 @@ def test_every_relative_link_in_the_readme_and_the_docs_resolves():
               for target, _ in re.findall(r"\]\(([^)#\s]+)(#[^)]*)?\)", md.read_text())
               if not target.startswith(("http://", "https://", "mailto:")) and not (md.parent / target).exists()]
     assert not broken, broken
+
+
+@pytest.mark.parametrize("module", ["train.py", "grpo.py"])
+def test_the_default_runs_departures_from_grpo_are_what_train_and_grpo_say(module, tmp_path):
+    """train.py and grpo.py open with the default run's four departures from DeepSeekMath's GRPO
+    and the flag that undoes each: the defaults are those, and each flag gives GRPO's setting."""
+    from running import config
+    text = (ROOT / module).read_text()
+    undo = {"--epochs 2": ("epochs", 2), "--beta 0.04": ("beta", 0.04), "--norm group": ("norm", "group"),
+            "--loss-agg seq-mean-token-mean": ("loss_agg", "seq-mean-token-mean")}
+    default = config.parse_config(["--out", str(tmp_path / "d")])
+    assert (default.epochs, default.mini_batch in (0, default.n), default.beta, default.norm, default.loss_agg) == \
+        (1, True, 0.0, "global", "token-mean")
+    for flag, (field, value) in undo.items():
+        assert flag in text, f"{module} names {flag}"
+        assert getattr(config.parse_config([*flag.split(), "--out", str(tmp_path / "u")]), field) == value
