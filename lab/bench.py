@@ -9,7 +9,7 @@
     python -m lab.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
     python -m lab.decode_floor --model smollm2-135m           # generate against its floor (lab/decode_floor.py)
 
-The work (as in issue 7): B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
+The work: B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
 are Qwen2ForCausalLM built from a config with random weights (seed 0), with a word-level
 tokenizer built in code; prompts are 16 random words; the reward is the share of even token
@@ -379,7 +379,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=0, help="torch threads per run; 0 = torch's default")
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--warm-micro", type=int, default=1, help="warmstart: examples per forward; 0 = the whole "
-                   "batch through model(labels=...), the path before issue 34")
+                   "batch through model(labels=...), the older path")
     p.add_argument("--worker", choices=("ours", "trl", "logprobs", "warmstart"), help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""The lab's experiments on entropy collapse and its 2025-26 fixes (issue 35; no report claims
+"""The lab's experiments on entropy collapse and its 2025-26 fixes (no report claims
 these, so each "claim" is the README's or the method's own): how often train.py's defaults
 collapse, which fix keeps a run off one answer, and what a rollout/training mismatch does.
 
@@ -160,7 +160,7 @@ def fixes_entry(lab: Lab, name: str, runs: dict, base: str, least: int, fewer: i
     holds = [n for n in FIXES if h[n] >= HOLDS * h["baseline (defaults)"] and best[n] >= best["baseline (defaults)"] - COSTS]
     costs = [n for n in FIXES if best[n] < best["baseline (defaults)"] - COSTS]
     helped = [n for n in FIXES if sum(map(collapsed, runs[n])) <= n_base - fewer]
-    return dict(report="issue 35 (2025-26 methods)", figure=f"{name}/compare.png",
+    return dict(report="2025-26 methods", figure=f"{name}/compare.png",
                 claim="each of the 2025-26 fixes keeps a GRPO run off entropy collapse without costing the task",
                 measured="; ".join(f"{n}: collapsed {sum(map(collapsed, rs))}/{len(rs)}, entropy at the end "
                                    f"{h[n]:.3f}, held-out best {best[n]:.2f}" for n, rs in runs.items()),
@@ -198,7 +198,7 @@ def mismatch(lab: Lab) -> dict:
     (lab.dir("mismatch") / "table.md").write_text("\n".join(lines) + "\n")
     null, bf16 = best["null (fp32 sampler)"], best["bf16 sampler"]
     fixed = max(best["bf16 + TIS"], best["bf16 + ICEPOP"])
-    return dict(report="issue 35 (Liu, Li et al. 2025)", figure="mismatch/compare.png",
+    return dict(report="Liu, Li et al. 2025", figure="mismatch/compare.png",
                 claim="sampling from a bf16 copy of the policy while training in fp32 hurts the run; truncated "
                       "(TIS) or masked (ICEPOP) importance weights undo it",
                 measured="; ".join(f"{name}: log-prob gap {diff[name]:.2g}, held-out best {best[name]:.2f}"

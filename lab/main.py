@@ -53,7 +53,8 @@ def summary_md(results: dict) -> str:
         fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
         when = f"{r.get('date', '?')}, {r.get('seeds', '?')} seeds" + \
             (", QUICK: a smoke test, not a result" if r.get("quick") else "")
-        parts.append(f"## {name} (report {r['report']})\n\n- **Claimed:** {r['claim']}.\n"
+        source = f"report {r['report']}" if r["report"][:1].isdigit() else r["report"]    # or the 2025-26 papers
+        parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
                      f"({when}; {r['seconds']:.0f} s){fig}\n")
     return "\n".join(parts)

@@ -51,7 +51,7 @@ SETTINGS = {
         "RCE (stage 1)": "--reward composite --algo rce --k 4 --batch 3 --steps 15 --save-every 15 --micro-batch 4",
         "RCE -> GRPO": "--reward composite --k 4 --batch 3 --steps 15 --init-from {stage1} --micro-batch 4",
     },
-    # issue 35 (lab/real_collapse.py): real_group_size's K=8/B=3 runs are the baseline of the
+    # lab/real_collapse.py: real_group_size's K=8/B=3 runs are the baseline of the
     # one-epoch fixes and of the mismatch. At one update per batch every ratio is 1 and a fix
     # that acts through the ratio is the plain policy gradient (tests/test_surrogates.py), so
     # clip-higher and CISPO run with two epochs, against two epochs without them.

@@ -1,4 +1,4 @@
-"""Issue 35's experiments on a real model (SmolLM2-135M-Instruct), 3 seeds per setting, beside
+"""The entropy-collapse experiments on a real model (SmolLM2-135M-Instruct), 3 seeds per setting, beside
 lab/real.py's (the same RealLab: each finished run kept and skipped when the lab runs again).
 
     python -m lab --model smollm2-135m real_entropy_collapse real_mismatch
@@ -40,7 +40,7 @@ def real_entropy_collapse(lab: RealLab, log=print) -> dict:
     held = [label for label, rs in runs.items() if label not in ("baseline (K=8, B=3)", "two epochs")
             and ended_on_one(rs) < ended_on_one(runs[baseline_of(label)])
             and one[label] < one[baseline_of(label)] - 0.1]
-    return dict(report="issue 35 (2025-26 methods)", figure="real_entropy_collapse/compare.png",
+    return dict(report="2025-26 methods", figure="real_entropy_collapse/compare.png",
                 claim="each of the 2025-26 fixes keeps GRPO on SmolLM2 off its collapse onto one answer",
                 measured="; ".join(f"{label}: {ended_on_one(rs)}/{len(rs)} end on one answer (mean "
                                    f"{one[label]:.2f}), entropy at the end "
@@ -60,7 +60,7 @@ def real_mismatch(lab: RealLab, log=print) -> dict:
     # rule (written before the first run), the toy lab's: reproduced if the bf16 sampler ends >= 0.05
     # below the baseline's mean held-out best and TIS or ICEPOP ends within 0.02 of the baseline;
     # not reproduced if the bf16 sampler ends within 0.05 of it; else partly
-    return dict(report="issue 35 (Liu, Li et al. 2025)", figure="real_mismatch/compare.png",
+    return dict(report="Liu, Li et al. 2025", figure="real_mismatch/compare.png",
                 claim="sampling from a bf16 copy of the policy hurts the run; TIS or ICEPOP undo it",
                 measured="; ".join(f"{label}: held-out best {spread(rs, 'eval_best_rate_end')}, "
                                    f"{ended_on_one(rs)}/{len(rs)} end on one answer" for label, rs in runs.items()),

@@ -28,7 +28,7 @@ def kl_range(lab: Lab) -> dict:
     s_low = list(r)[0]
     floor = min_beta[s_low] <= 0.002
     # "worse" as curriculum's and entropy's rules read a difference: by more than the larger of
-    # the two spreads over seeds (until issue 33 any lower mean counted: a first rerun, whose KL
+    # the two spreads over seeds (at first any lower mean counted: a first rerun, whose KL
     # reading was later found defective, gave 0.91 against 0.92, spreads 0.09 and 0.13, and that
     # rule read it as "reproduced")
     worse = wide - low > max(spread[0], spread[1])

@@ -109,7 +109,7 @@ def test_bad_critic_flags_exit_2_naming_the_flag(argv, flag, tmp_path, capsys):
 
 @pytest.mark.parametrize("critic", ["shared", "separate"])
 def test_the_critic_scores_the_rollouts_micro_batch_by_micro_batch(critic, tmp_path):
-    """Issue 33: --micro-batch bounds every forward, the critic's too (a separate critic ran its
+    """--micro-batch bounds every forward, the critic's too (a separate critic ran its
     trunk over all N sequences at once); the values equal one forward over the whole batch."""
     import rollout
     import tasks

@@ -1,4 +1,4 @@
-"""Issue 17 part 4: the tool task's difficulty knob and report 000's short-to-long curriculum.
+"""The tool task's difficulty knob and report 000's short-to-long curriculum.
 
 A task of difficulty d asks about d benchmarks and is right only when its answer reports every
 one's setting and value (tool_env.py); --curriculum trains from 1 up to d in equal phases
@@ -179,7 +179,7 @@ def test_bad_difficulty_flags_exit_2_naming_the_flag(argv, flag, tmp_path, capsy
 
 
 def test_a_curriculum_resumed_with_more_steps_goes_on_and_never_steps_back(tmp_path):
-    """Issue 33: resumed with more --steps, the phases stretch: step 6 of 9 is difficulty 2 by
+    """Resumed with more --steps, the phases stretch: step 6 of 9 is difficulty 2 by
     the schedule, after the first run reached 3 at step 5. The schedule goes on from where the
     run is, it never hands the policy easier tasks again."""
     argv = quick(tmp_path, "cur", "--task", "tools", "--reward", "sparse", "--difficulty", "3", "--curriculum",

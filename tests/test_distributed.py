@@ -160,7 +160,7 @@ def test_killed_rank_ends_the_job_with_an_intact_log_and_resume_continues(tmp_pa
 
 
 def test_a_stopped_rank_ends_the_job_after_the_collective_timeout_naming_a_rank(tmp_path):
-    """Issue 33: a rank stopped with kill -STOP hung the others forever; --collective-timeout
+    """A rank stopped with kill -STOP hung the others forever; --collective-timeout
     bounds the wait and the job ends with the lost-contact line."""
     run = tmp_path / "run"
     flags = [*quick(tmp_path, "run"), "--steps", "200", "--save-every", "2", "--collective-timeout", "5"]

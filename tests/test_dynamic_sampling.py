@@ -93,7 +93,7 @@ def test_a_run_with_dynamic_sampling_logs_its_rounds_and_trains_on_differing_gro
 
 @pytest.mark.lesson
 def test_the_budget_in_seconds_and_a_stop_end_the_rounds_after_the_one_in_progress():
-    """Issue 33: near-greedy sampling made every group one reward, round after round; with a
+    """Near-greedy sampling made every group one reward, round after round; with a
     huge --max-sampling-rounds a step ran on for minutes and obeyed SIGTERM after ~180 s."""
     sample_round, calls = scripted([[0, 0, 0, 0]] * 50, 2)
     fresh = iter([[i, i + 1] for i in range(2, 100, 2)])
@@ -108,7 +108,7 @@ def test_the_budget_in_seconds_and_a_stop_end_the_rounds_after_the_one_in_progre
 
 @pytest.mark.parametrize("norm", ["global", "group"])
 def test_with_no_group_kept_the_step_takes_no_update_and_says_why(norm, tmp_path, monkeypatch, capsys):
-    """Issue 33: under --norm global the rejected groups' advantages are not 0 ([-1, -1, 1, 1]
+    """Under --norm global the rejected groups' advantages are not 0 ([-1, -1, 1, 1]
     for two groups of equal rewards 0 and 1); training on them would be training on what the
     filter refused. verl raises; here the step is skipped, logged with its reason."""
     monkeypatch.setattr(dynamic_sampling, "informative", lambda rewards, k: torch.zeros(len(rewards) // k, dtype=torch.bool))

@@ -163,7 +163,7 @@ def test_sequence_ratio_outside_grpo_exits_2_naming_the_flag(argv, tmp_path, cap
 
 
 def test_the_sequence_ratio_alone_brings_gspos_clip_and_mean_and_says_so(tmp_path, capsys):
-    """Issue 33: GSPO's paper and verl clip the sequence ratio at 3e-4 / 4e-4 and average over
+    """GSPO's paper and verl clip the sequence ratio at 3e-4 / 4e-4 and average over
     sequences; with PPO's 0.2 a length-normalised ratio is hardly ever clipped."""
     cfg = config.parse_config(quick(tmp_path, "a", "--ratio-level", "sequence"))
     assert (cfg.clip_eps, cfg.clip_eps_high, cfg.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")

@@ -191,7 +191,7 @@ def exact_gradients(pi_logits, ref):
 
 
 def test_in_the_reward_k1_gives_the_kl_gradient_and_k3_nearly_cancels_near_the_reference():
-    """Issue 33: the same estimators in the other place. As a reward penalty (PPO's habit) an
+    """The same estimators in the other place. As a reward penalty (PPO's habit) an
     estimator k acts through E_pi[k grad log pi]: k1 = log(pi/ref) gives exactly grad
     KL(pi||ref), as TRL, verl and OpenRLHF use it there; k3 gives grad KL(pi||ref) - grad
     KL(ref||pi), which cancels to first order near the reference, where PPO starts."""

@@ -47,7 +47,7 @@ def exits_2(capsys, call, flag):
 
 # ---- inputs: one line, exit 2, before any work ----
 
-# a value other than each flag's default (issue 33: a flag acts in every algorithm that
+# a value other than each flag's default (a flag acts in every algorithm that
 # accepts it, or is refused naming the algorithms that use it)
 NOT_DEFAULT = {"norm": "group", "unbiased": None, "adv_clip": "3", "clip_eps": "0.1", "clip_eps_high": "0.28",
                "loss_agg": "constant", "target_kl": "0.02", "entropy_coef": "0.01", "entropy_coef_end": "0.001",
@@ -64,7 +64,7 @@ PAIRS = [(name, algo) for name, algos in checks.USED_BY.items() for algo in ("gr
     (["--temperature", "1e-300"], "--temperature"), (["--temperature", "1e300"], "--temperature"),
 ])
 def test_values_that_died_after_the_warm_start_are_refused_before_it(argv, flag, tmp_path, capsys):
-    """Issue 33's second probe round: each of these passed the checks and ended in a traceback
+    """A probe round: each of these passed the checks and ended in a traceback
     (or was silently ignored)."""
     exits_2(capsys, lambda: config.parse_config(quick(tmp_path, "r", *argv)), flag)
 
@@ -210,7 +210,7 @@ def test_a_file_where_an_experiments_folder_goes_is_refused_in_one_line(tmp_path
 
 
 def test_two_labs_into_one_folder_keep_both_entries_and_a_torn_summary_is_named(tmp_path, monkeypatch, capsys):
-    """Issue 33: two `python -m lab --out X` at once lost one entry (each wrote the summary it
+    """two `python -m lab --out X` at once lost one entry (each wrote the summary it
     read at its start); a torn summary.json blocked every later lab run."""
     import threading
     from lab import main as lab_main
@@ -466,7 +466,7 @@ def test_a_log_line_the_full_disk_refuses_is_said_counted_and_the_log_goes_on(tm
 
 
 def test_ctrl_c_in_bench_is_one_line_and_exit_130():
-    """Issue 33: Ctrl-C in the benchmark printed a traceback."""
+    """Ctrl-C in the benchmark printed a traceback."""
     proc = subprocess.Popen([sys.executable, "-m", "lab.bench", "--steps", "200"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal has it
@@ -477,7 +477,7 @@ def test_ctrl_c_in_bench_is_one_line_and_exit_130():
 
 
 def test_a_run_that_could_write_no_checkpoint_says_so_even_quiet_and_exits_1(tmp_path, monkeypatch, capsys):
-    """Issue 33: with every checkpoint refused (a full disk, a file-size limit) the run exited 0,
+    """with every checkpoint refused (a full disk, a file-size limit) the run exited 0,
     and with --quiet printed nothing: --quiet hides progress, never a failure."""
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -489,7 +489,7 @@ def test_a_run_that_could_write_no_checkpoint_says_so_even_quiet_and_exits_1(tmp
 
 
 def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypatch, capsys):
-    """Issue 33: a run resumed under torchrun with another --nproc_per_node was accepted silently."""
+    """a run resumed under torchrun with another --nproc_per_node was accepted silently."""
     train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))
     assert json.loads((tmp_path / "run" / "config.json").read_text())["processes"] == 1
     monkeypatch.setenv("WORLD_SIZE", "2")                  # as torchrun --nproc_per_node 2 sets it
@@ -497,7 +497,7 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypa
 
 
 def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, monkeypatch):
-    """Issue 33: on SIGTERM rank 0 evaluated first and saved after; torchrun kills the group 30 s
+    """on SIGTERM rank 0 evaluated first and saved after; torchrun kills the group 30 s
     after its SIGTERM, longer than a real model's evaluation, and no checkpoint was left."""
     from running import bookkeeping, distributed
     steps = []
@@ -591,7 +591,7 @@ def test_a_file_size_limit_stops_the_run_at_its_first_checkpoint_in_one_line(tmp
 
 
 def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_after(tmp_path, monkeypatch, capsys):
-    """Issue 33: a full disk at a checkpoint gave torch.save's traceback. Now the run stops at
+    """a full disk at a checkpoint gave torch.save's traceback. Now the run stops at
     once, saying what failed and how much room it needed, exit 1, the last good checkpoint
     untouched, and --resume works once there is room."""
     from collections import namedtuple
@@ -616,7 +616,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_
 
 
 def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_path, capsys):
-    """Issue 33: --init-from a run that was still running was allowed, and a resumed child
+    """--init-from a run that was still running was allowed, and a resumed child
     followed its parent's newest checkpoint, silently switching its reference model."""
     parent, child = tmp_path / "parent", tmp_path / "child"
     train.train(config.parse_config(flags(tmp_path, "parent", "--save-every", "2")))
@@ -636,7 +636,7 @@ def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_
 
 
 def test_a_damaged_named_model_cache_is_set_aside_and_converted_again(tmp_path, monkeypatch, capsys):
-    """Issue 33: a damaged SmolLM2 cache (no config.json, or its weights cut short) gave a
+    """a damaged SmolLM2 cache (no config.json, or its weights cut short) gave a
     traceback, then "Directory not empty" on the retry. The fetch and conversion are stood in
     for by a tiny model's save (no network here)."""
     from models import pretrained
@@ -668,7 +668,7 @@ def test_init_from_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, capsys)
     ("'--k 8'", "unrecognized arguments"),
 ])
 def test_compare_refuses_a_setting_it_would_silently_change(setting, says, tmp_path, capsys):
-    """Issue 33: a setting giving --seed or --out (compare sets both per run) or a flag twice was
+    """a setting giving --seed or --out (compare sets both per run) or a flag twice was
     run with the last value silently winning; a quoted flag is one argument train.py refuses."""
     exits_2(capsys, lambda: compare.main([setting, "--seeds", "1", "--out", str(tmp_path)]), says)
 
@@ -698,7 +698,7 @@ def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
 
 
 def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_path):
-    """Issue 33: a terminal's Ctrl-C reaches every process of the group; compare's idle worker
+    """a terminal's Ctrl-C reaches every process of the group; compare's idle worker
     processes printed tracebacks, and queued runs went on starting."""
     common = ("--steps 400 --sft-steps 5 --batch 2 --k 4 --hidden 16 --layers 1 --eval-every 1000 --cache-dir "
               + str(tmp_path / "c"))
@@ -717,7 +717,7 @@ def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_pa
 
 
 def test_a_full_disk_while_logging_stops_the_run_in_one_line_and_resume_redoes_the_step(tmp_path, monkeypatch, capsys):
-    """Issue 33: on a full disk the run went on writing into a log with a hole in it. Now it stops
+    """on a full disk the run went on writing into a log with a hole in it. Now it stops
     at that step (exit 1), every line whole, and --resume continues once there is room."""
     real = checkpoint.JsonlLog.write
 

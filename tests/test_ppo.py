@@ -175,7 +175,7 @@ def test_bad_ppo_and_kl_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_pat
 
 
 def test_the_kl_in_the_reward_defaults_to_k1_and_k3_there_is_warned_about(tmp_path, capsys):
-    """Issue 33: k3 as a reward penalty hardly pulls toward the reference (tests/test_kl.py);
+    """K3 as a reward penalty hardly pulls toward the reference (tests/test_kl.py);
     --kl-estimator auto puts k1 in the reward and k3 in the loss, and k3 in the reward is said."""
     def estimator(*flags):
         return config.hyper_params(config.parse_config(quick(tmp_path, "x", "--beta", "0.05", *flags))).kl_estimator

@@ -7,9 +7,9 @@ PPO, the tool task's multi-turn episodes, mini-batches with micro-batches and tw
 the KL and entropy terms, --fast's reused old log-probs.
 
 The tolerance (relative 1e-5) is for rounding noise on one machine; across CPUs the same
-code differs by more. The files were first recorded at commit 98ecafc (before issue 14's
-redesign), and recorded again at commit 2e3d7da (before issue 32 moved the machinery into
-packages and gave GRPO, PPO and RCE one update loop) on the machine that checked issue 32,
+code differs by more. The files were first recorded at commit 98ecafc (before the first
+redesign), and recorded again at commit 2e3d7da (before the machinery moved into packages
+and GRPO, PPO and RCE got one update loop) on the machine that checked that move,
 where 2e3d7da itself no longer matched the old files: grad_norm by up to 2.5e-5 (relative)
 after one step, clip_frac by 10% after two epochs of updates (a handful of tokens on the
 other side of the clip). A matrix kernel sums in its own order, and Adam turns that into
@@ -48,10 +48,10 @@ COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet -
 # so with a reference it reports ref_kl, as ppo.update's docstring had claimed all along.
 ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
 # Measurements added after the redesign, which read the policy and change nothing it learns:
-# issue 18's answer NLL at each held-out evaluation; issue 17's task difficulty of each step.
-# Issue 33's update_skipped, the reason a step took no update (null when it took one).
-# Issue 34's eval_one_answer, the share of held-out samples that are the commonest one; issue
-# 35's clip_frac_low / clip_frac_high, clip_frac split by side, and TRL's completion lengths.
+# the answer NLL at each held-out evaluation; the task difficulty of each step; update_skipped,
+# the reason a step took no update (null when it took one); eval_one_answer, the share of
+# held-out samples that are the commonest one; clip_frac_low / clip_frac_high, clip_frac split
+# by side, and TRL's completion lengths.
 MEASURED_SINCE = {"eval_answer_nll", "train_answer_nll", "difficulty", "update_skipped", "eval_one_answer",
                   "clip_frac_low", "clip_frac_high", "completions/mean_length", "completions/min_length",
                   "completions/max_length", "completions/mean_terminated_length", "completions/clipped_ratio",

@@ -268,7 +268,7 @@ def test_non_finite_numbers_are_logged_as_null_and_named(tmp_path):
 
 @pytest.mark.parametrize("damage", ["config", "weights"])
 def test_a_damaged_warm_start_cache_is_moved_aside_and_built_again(damage, tmp_path, capsys):
-    """Issue 33: a warm-start cache entry without its config.json, or with its weights cut short,
+    """A warm-start cache entry without its config.json, or with its weights cut short,
     gave a traceback, then "Directory not empty" on the retry."""
     argv = quick(tmp_path, "a", "--steps", "1")
     train.train(config.parse_config(argv))
@@ -285,7 +285,7 @@ def test_a_damaged_warm_start_cache_is_moved_aside_and_built_again(damage, tmp_p
 
 
 def test_resuming_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
-    """Issue 33: resumed from step 2 to 3, checkpoints/ still held steps 4 and 5 of the old
+    """Resumed from step 2 to 3, checkpoints/ still held steps 4 and 5 of the old
     history, and a later plain --resume picked step 5 of it. One folder, one history."""
     train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--save-every", "1")))
     run = tmp_path / "run"
@@ -298,7 +298,7 @@ def test_resuming_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
 
 
 def test_a_line_the_disk_cuts_short_is_removed_and_the_next_one_starts_whole(tmp_path, monkeypatch, capsys):
-    """Issue 33: a full disk mid-line left half a line, the next line was appended to it, and
+    """A full disk mid-line left half a line, the next line was appended to it, and
     report.finish died on a JSONDecodeError."""
     log = checkpoint.JsonlLog(tmp_path / "m.jsonl", append=False)
     log.write({"step": 1, "loss": 0.5})

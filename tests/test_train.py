@@ -168,7 +168,7 @@ def test_eval_prompts_evaluates_that_many_held_out_prompts_spread_over_the_list(
 
 
 def test_a_checkpoint_given_as_model_keeps_its_tokenizer_every_sample_round_trips(tmp_path):
-    """Issue 33: a run's checkpoint loaded again (--model FOLDER) must read and write text as the
+    """A run's checkpoint loaded again (--model FOLDER) must read and write text as the
     run did. AutoTokenizer alone gives a qwen2 folder the Qwen2 class, which splits the tiny
     model's words into byte-pair pieces ("### Step 1 : Analyze" -> "1:a"): the fallback text
     of report 001 would be classed as junk."""
