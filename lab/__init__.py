@@ -1,8 +1,8 @@
-"""The lab: every comparison of the four reports rerun over seeds, and the tools it uses.
+"""The lab: every comparison of the four reports rerun over seeds.
 
     python -m lab                 the experiments (main.py; one module per report: report000.py ... report003.py)
     python -m lab.compare         settings side by side over seeds, a table and a figure (compare.py)
-    python -m lab.bench           seconds per step, its split, and memory, against TRL (bench.py)
 
-Nothing here is imported by the lessons; the lab imports them.
+Nothing here is imported by the lessons; the lab imports them. The benchmark and the tools that
+inspect the code are in tools/.
 """

@@ -213,8 +213,9 @@ def table(results: dict, columns=()) -> str:
 
 
 # Metrics whose early values run off the scale the lesson reads: explained variance is 1 - Var(G - V)
-# / Var(G), -900 when every return is nearly equal (report.py); below -1 the critic is useless all the same.
-AXIS_FLOOR = {"explained_variance": -1.05}
+# / Var(G), at most 1 and -900 when every return is nearly equal (report.py); below -1 the critic is
+# useless all the same.
+AXIS_RANGE = {"explained_variance": (-1.05, 1.05)}
 LOG_SCALE = ("kl", "kl_coef")
 
 
@@ -235,7 +236,8 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
     cols = min(3, len(metrics))
     rows = -(-len(metrics) // cols)
     lines = textwrap.wrap(title, 60 * cols)
-    top, bottom = 0.25 * len(lines) + 0.2, 0.5 + 0.2 * -(-len(results) // 2)     # inches: title, legend
+    rows_of_legend = -(-sum(len(textwrap.wrap(f"{name} (9)", 60)) for name in results) // 2)
+    top, bottom = 0.25 * len(lines) + 0.2, 0.5 + 0.17 * rows_of_legend            # inches: title, legend
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows + top + bottom), squeeze=False)
     for j in range(len(metrics), rows * cols):
         axes[j // cols][j % cols].set_visible(False)
@@ -244,15 +246,15 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
         for j, (name, runs) in enumerate(results.items()):
             steps, mean, low, high = band(runs, key)        # step 0 is the warm start
             ax.fill_between(steps, low, high, color=f"C{j}", alpha=0.18, lw=0)
-            ax.plot(steps, mean, color=f"C{j}", lw=2, label=f"{textwrap.shorten(name, 48)} ({len(runs)})")
+            ax.plot(steps, mean, color=f"C{j}", lw=2, label=textwrap.fill(f"{name} ({len(runs)})", 60))
             drawn += len(steps)
         ax.set(xlabel="step", ylabel=key)
         if not drawn:
             ax.text(0.5, 0.5, "no run logged it", ha="center", transform=ax.transAxes)
         elif key in LOG_SCALE:
             ax.set_yscale("log")
-        elif key in AXIS_FLOOR:             # the scale of the claim, not of one wild early step
-            ax.set_ylim(max(ax.get_ylim()[0], AXIS_FLOOR[key]), ax.get_ylim()[1])
+        elif key in AXIS_RANGE:             # the scale of the claim, not of one wild early step
+            ax.set_ylim(*AXIS_RANGE[key])
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(2, len(labels)), fontsize=8,
                title="setting (seeds): mean, band from min to max over seeds", title_fontsize=8)

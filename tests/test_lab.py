@@ -1,6 +1,6 @@
 """The lab end to end in --quick mode (2 seeds, a few steps): every experiment runs, draws its
-figure and gets a verdict computed from its numbers; lab/bench.py measures a step, and
-lab/decode_floor.py's bare decoding computes what a full forward computes."""
+figure and gets a verdict computed from its numbers; tools/bench.py measures a step, and
+tools/decode_floor.py's bare decoding computes what a full forward computes."""
 import json
 from pathlib import Path
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import shared_prefix
-from lab import bench
-from lab import decode_floor
+from tools import bench
+from tools import decode_floor
 from lab import main as lab
 
 
@@ -128,7 +128,7 @@ def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
 
 
 def test_same_metrics_finds_a_changed_number_and_ignores_seconds(tmp_path, capsys):
-    from lab import same_metrics
+    from tools import same_metrics
     row = {"step": 1, "loss": 0.5, "seconds": 1.0, "alerts": ["entropy_low"], "kl": None}
     (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps(dict(row, seconds=9.0)) + "\n")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lab import bench
-from lab import decode_floor
+from tools import bench
+from tools import decode_floor
 from running import checkpoint
 from lab import compare
 from running import checks
@@ -467,13 +467,13 @@ def test_a_log_line_the_full_disk_refuses_is_said_counted_and_the_log_goes_on(tm
 
 def test_ctrl_c_in_bench_is_one_line_and_exit_130():
     """Ctrl-C in the benchmark printed a traceback."""
-    proc = subprocess.Popen([sys.executable, "-m", "lab.bench", "--steps", "200"], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "tools.bench", "--steps", "200"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal has it
     time.sleep(8)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip().splitlines() == ["python -m lab.bench: interrupted; nothing was written"], err
+    assert proc.returncode == 130 and err.strip().splitlines() == ["python -m tools.bench: interrupted; nothing was written"], err
 
 
 def test_a_run_that_could_write_no_checkpoint_says_so_even_quiet_and_exits_1(tmp_path, monkeypatch, capsys):

@@ -1,11 +1,12 @@
-"""How the code reads, measured (issues 14 and 32): the top level is the course, the lessons
-stand alone, and the loop a reader reads fits on a screen.
+"""How the code reads, measured: the top level is the course, the lessons stand alone, and
+the loop a reader reads fits on a screen.
 
     python tests/test_shape.py        # the table: files, and the functions with most parameters and lines
 
 - The top level holds the lessons and train.py, nothing else; each is at most 300 lines.
 - A lesson imports only torch, transformers, the standard library and other lessons: never
-  the machinery (running/, tasks/, models/, lab/), which may import the lessons.
+  the machinery (running/, tasks/, models/, lab/), which may import the lessons. The tools that
+  inspect or benchmark the code (tools/) are imported by nothing but the tests.
 - No lesson function takes more than 6 parameters; no function of a training step (the
   lessons, train.py, running/, tasks/, models/) more than 8.
 - train.py is at most 250 lines; its loop (`train`) at most 80; one step (`rl_step`) at most 50.
@@ -54,6 +55,11 @@ def imported(path: Path) -> set:
 
 def code_files() -> list:
     return [p for p in ROOT.glob("*.py")] + [p for pkg in MACHINERY for p in (ROOT / pkg).glob("*.py")]
+
+
+def test_the_tools_are_outside_the_course_and_the_lab():
+    users = [p.relative_to(ROOT) for p in code_files() if "tools" in imported(p)]
+    assert users == [], "a lesson, train.py, the machinery or the lab imports tools/"
 
 
 def test_the_top_level_is_the_lessons_and_train():

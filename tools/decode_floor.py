@@ -1,10 +1,10 @@
 """The floor under `generate`: what sampling a GRPO batch costs at least on this machine.
 
-    python -m lab.decode_floor --model smollm2-135m            # fp32, the bench's DSL work
-    python -m lab.decode_floor --model smollm2-135m --bf16     # bf16 autocast, as train.py runs here
-    python -m lab.decode_floor                                 # the tiny config (seconds)
+    python -m tools.decode_floor --model smollm2-135m            # fp32, the bench's DSL work
+    python -m tools.decode_floor --model smollm2-135m --bf16     # bf16 autocast, as train.py runs here
+    python -m tools.decode_floor                                 # the tiny config (seconds)
 
-`python -m lab.bench --model smollm2-135m` splits a step into generate, the reference's
+`python -m tools.bench --model smollm2-135m` splits a step into generate, the reference's
 forward, the policy's forward and backward, and AdamW. The middle two already run only the
 tokens that remain (shared_prefix.py: the system prompt once, each prompt's rest once, the
 completions), so they are their own floor. This measures the floor of the first, on the
@@ -37,7 +37,7 @@ import torch
 
 import rollout
 import shared_prefix
-from lab import bench
+from tools import bench
 from running import checks
 from running import config
 
@@ -111,7 +111,7 @@ def measure(model, tok, cfg: dict, repeats: int, bf16: bool) -> dict:
 
 
 def main(argv=None):
-    p = config.OneLineParser(prog="python -m lab.decode_floor", description=__doc__,
+    p = config.OneLineParser(prog="python -m tools.decode_floor", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="a real model (train.py --model); default: the tiny config")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast, as train.py --bf16 auto picks on a CPU with fast bf16")
@@ -145,5 +145,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:
-        print("python -m lab.decode_floor: interrupted; nothing was written", file=sys.stderr)
+        print("python -m tools.decode_floor: interrupted; nothing was written", file=sys.stderr)
         sys.exit(130)

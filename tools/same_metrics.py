@@ -1,6 +1,6 @@
 """Do two runs write the same metrics? Their metrics.jsonl compared line by line, field by field.
 
-    python -m lab.same_metrics RUN_A RUN_B          # run folders (or metrics.jsonl files)
+    python -m tools.same_metrics RUN_A RUN_B          # run folders (or metrics.jsonl files)
 
 Every field but `seconds` is compared: numbers by their relative difference, everything else
 for equality. It prints the number of lines and numbers compared, the largest relative
@@ -43,7 +43,7 @@ def compare(a, b, where: str, found: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lab.same_metrics", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.same_metrics", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)

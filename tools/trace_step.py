@@ -1,7 +1,7 @@
 """What a reader follows through one training step: the project's files and functions it enters.
 
-    python -m lab.trace_step                     # step 2 of `python train.py --k 8 --norm global`
-    python -m lab.trace_step --algo ppo          # any train.py flags
+    python -m tools.trace_step                     # step 2 of `python train.py --k 8 --norm global`
+    python -m tools.trace_step --algo ppo          # any train.py flags
 
 It runs a 2-step run of the tiny model (a short warm start, into a temporary folder) and records,
 with Python's profiler hook, every call into this repository's code during step 2 (from the

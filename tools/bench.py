@@ -1,13 +1,13 @@
 """Benchmark: seconds per GRPO step of this codebase, and of TRL's GRPOTrainer on the same work.
 
-    python -m lab.bench                                     # tiny model: s/step, time split, tokens/s, peak memory
-    python -m lab.bench --config 25m --vs-trl --json results/bench/25m.json
-    python -m lab.bench --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
-    python -m lab.bench logprobs                            # peak extra memory of logprobs.token_logprobs
-    python -m lab.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
-    python -m lab.bench bf16                                # is bf16 faster than float32 on this machine?
-    python -m lab.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
-    python -m lab.decode_floor --model smollm2-135m           # generate against its floor (lab/decode_floor.py)
+    python -m tools.bench                                     # tiny model: s/step, time split, tokens/s, peak memory
+    python -m tools.bench --config 25m --vs-trl --json results/bench/25m.json
+    python -m tools.bench --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
+    python -m tools.bench logprobs                            # peak extra memory of logprobs.token_logprobs
+    python -m tools.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
+    python -m tools.bench bf16                                # is bf16 faster than float32 on this machine?
+    python -m tools.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
+    python -m tools.decode_floor --model smollm2-135m           # generate against its floor (tools/decode_floor.py)
 
 The work: B=8 prompts x K=8 samples of 32 new tokens (qwen0.5b: 32 x 8 = 256
 sequences of 256 new tokens), a reference model with beta 0.04, one update per step. Models
@@ -42,7 +42,7 @@ from running import config
 from running import checks
 from running import report
 
-ROOT = Path(__file__).parent.parent          # the repository: workers run as `python -m lab.bench` there
+ROOT = Path(__file__).parent.parent          # the repository: workers run as `python -m tools.bench` there
 
 CONFIGS = {   # model shape and the work per step
     "tiny": dict(vocab=3072, hidden=128, layers=2, heads=4, kv=2, inter=512, b=8, k=8, new=32, prompt=16),
@@ -261,11 +261,11 @@ def logprobs_report(args) -> None:
           f"'x logits' = the extra memory in units of the logits tensor it was given:")
     for how, rows in (("ours", 64), ("naive", 8)):          # naive at 8 rows: 64 would need ~3x 10 GB
         for dtype in ("bfloat16", "float32"):
-            cmd = [sys.executable, "-m", "lab.bench", "--worker", "logprobs", "--shape", f"{rows},256,151936",
+            cmd = [sys.executable, "-m", "tools.bench", "--worker", "logprobs", "--shape", f"{rows},256,151936",
                    "--dtype", dtype, "--how", how]
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             if out.returncode != 0:
-                sys.exit(f"python -m lab.bench: logprobs run failed:\n{out.stderr[-2000:]}")
+                sys.exit(f"python -m tools.bench: logprobs run failed:\n{out.stderr[-2000:]}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  {how:5s} {dtype:8s} ({rows}, 256, 151936): logits {r['logits_mb']:7.0f} MB, extra "
                   f"{r['extra_mb']:7.0f} MB = {r['extra_mb'] / r['logits_mb']:.2f} x logits")
@@ -305,11 +305,11 @@ def run_warmstart(model_name: str, task_name: str, steps: int, micro: int) -> di
 
 
 def warmstart_report(args) -> None:
-    cmd = [sys.executable, "-m", "lab.bench", "--worker", "warmstart", "--model", args.model, "--task", args.task,
+    cmd = [sys.executable, "-m", "tools.bench", "--worker", "warmstart", "--model", args.model, "--task", args.task,
            "--steps", str(args.steps), "--warm-micro", str(args.warm_micro)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
-        sys.exit(f"python -m lab.bench: the warm-start run failed:\n{out.stderr[-2000:]}")
+        sys.exit(f"python -m tools.bench: the warm-start run failed:\n{out.stderr[-2000:]}")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     how = "the whole batch through model(labels=...)" if args.warm_micro == 0 else \
         f"{args.warm_micro} example(s) per forward, the LM head at the trained positions only"
@@ -335,13 +335,13 @@ def bf16_report(args) -> None:
 
 
 def launch(args, who: str) -> dict:
-    cmd = [sys.executable, "-m", "lab.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
+    cmd = [sys.executable, "-m", "tools.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
            "--threads", str(args.threads), "--model", args.model, "--task", args.task] + ["--bf16"] * args.bf16 + \
         ["--plain"] * args.plain + ["--no-shared-prefix"] * args.no_shared_prefix + \
         ["--each-prompt-whole"] * args.each_prompt_whole
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
-        sys.exit(f"python -m lab.bench: the {who} run failed:\n{out.stderr[-3000:]}")
+        sys.exit(f"python -m tools.bench: the {who} run failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -357,7 +357,7 @@ def summarise(run: dict, warmup: int) -> dict:
 
 
 def main(argv=None):
-    p = config.OneLineParser(prog="python -m lab.bench", description=__doc__,
+    p = config.OneLineParser(prog="python -m tools.bench", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16", "warmstart"))
     p.add_argument("--model", default="", help="a real model (train.py --model) instead of --config")
@@ -466,7 +466,7 @@ def main(argv=None):
             Path(args.json).write_text(json.dumps(result, indent=1))
             print(f"wrote {args.json}")
         except OSError as e:                     # a full disk after the benchmark: its numbers are above
-            print(f"python -m lab.bench: --json {args.json} not written ({e}); the figures are printed above",
+            print(f"python -m tools.bench: --json {args.json} not written ({e}); the figures are printed above",
                   file=sys.stderr)
             sys.exit(1)
 
@@ -475,5 +475,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:             # Ctrl-C: one line, as a shell reports it, no traceback
-        print("python -m lab.bench: interrupted; nothing was written", file=sys.stderr)
+        print("python -m tools.bench: interrupted; nothing was written", file=sys.stderr)
         sys.exit(130)
