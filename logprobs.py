@@ -32,7 +32,7 @@ class Tokens(NamedTuple):
 # Rows of logits handled at once: with a large vocabulary (Qwen's 151,936) the (n, C, V)
 # float32 logits of a whole batch are gigabytes, so the head and the log-softmax run on a
 # few rows at a time. A small vocabulary fits in one chunk, and then nothing changes.
-# (`python -m lab.bench logprobs` measures the memory this saves.)
+# (`python -m tools.bench logprobs` measures the memory this saves.)
 LOGITS_CHUNK_ELEMENTS = 2 ** 27
 
 

@@ -39,7 +39,7 @@ each completion still attends to all P prompt keys, and the prompt's keys are co
 A model whose cache cannot be copied over rows this way (a recurrent state, a sliding window
 that drops the prompt, a model that ignores past_key_values) would give wrong log-probs:
 `mismatch` measures it on random tokens when a model is loaded, and the run falls back to the
-plain forward (running/session.py says so in one line). `python -m lab.bench --model
+plain forward (running/session.py says so in one line). `python -m tools.bench --model
 smollm2-135m` times both; `tests/test_shared_prefix.py` checks log-probs, entropies, the loss
 and every gradient against the plain forward.
 """

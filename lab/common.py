@@ -20,7 +20,7 @@ SEEDS, QUICK_SEEDS = 6, 2
 # at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at ~1e-5, and the
 # same 100x keeps each experiment's "moderate" and "aggressive" rates apart by the same
 # factor (an experiment that sets no --lr gets train.py's real-model default, 2e-5). A real
-# model's step is far slower on a CPU (`python -m lab.bench --model smollm2-135m`; its figures
+# model's step is far slower on a CPU (`python -m tools.bench --model smollm2-135m`; its figures
 # are in docs/performance.md), so a third of the steps. These are our choices, not tuned to any
 # outcome.
 REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3

@@ -76,7 +76,7 @@ def load_tokenizer(folder: Path):
 
 def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape) -> Qwen2Config:
     """A Qwen2 config over tok's vocabulary: 4 heads (2 for keys and values), a 4 x hidden MLP
-    and tied embeddings, unless shape says otherwise (lab/bench.py's larger shapes, the tests')."""
+    and tied embeddings, unless shape says otherwise (tools/bench.py's larger shapes, the tests')."""
     shape = dict(dict(intermediate_size=4 * hidden, num_attention_heads=4, num_key_value_heads=2), **shape)
     return Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                        max_position_embeddings=max_positions, tie_word_embeddings=True,
@@ -357,7 +357,7 @@ def format_prompt(tok, text: str, system: str) -> str:
 def bf16_matmul_is_faster(n: int = 512, repeats: int = 3) -> bool:
     """Time one n x n matmul in bf16 and in float32 on this CPU. A CPU with bf16 instructions
     (AMX, AVX512-BF16) runs bf16 about twice as fast; one without them emulates it, and then
-    bf16 is far slower (`python -m lab.bench bf16` measures it; docs/performance.md has the
+    bf16 is far slower (`python -m tools.bench bf16` measures it; docs/performance.md has the
     figures of this project's machine)."""
     def best(dtype):
         a = torch.randn(n, n).to(dtype)
