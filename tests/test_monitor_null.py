@@ -20,6 +20,7 @@ def test_false_collapse_rate_equals_a_monte_carlo_frozen_policy(p, n):
     assert monitor.false_collapse_rate(p, n) == pytest.approx(flags / trials, abs=0.004)
 
 
+@pytest.mark.lesson
 def test_the_floor_at_report_001s_warm_start():
     assert monitor.false_collapse_rate(0.57, 6) == pytest.approx(0.1442, abs=1e-4)   # K=2, B=3
     assert monitor.false_collapse_rate(0.57, 16) == pytest.approx(0.0265, abs=1e-4)

@@ -141,3 +141,16 @@ def test_the_default_runs_departures_from_grpo_are_what_train_and_grpo_say(modul
     for flag, (field, value) in undo.items():
         assert flag in text, f"{module} names {flag}"
         assert getattr(config.parse_config([*flag.split(), "--out", str(tmp_path / "u")]), field) == value
+
+
+def test_each_lesson_page_opens_with_its_one_test_and_that_test_exists():
+    """A lesson page leads with the test that shows the lesson, then the code to read, then
+    the commands; the test it names is a function of that test file."""
+    for page in sorted((ROOT / "docs" / "lessons").glob("*.md")):
+        lines = page.read_text().splitlines()
+        assert lines[2].startswith("**The lesson, as a test**"), page.name
+        node = lines[4].split('"')[1]
+        path, name = node.split("::")
+        assert name in functions(ROOT / path), f"{page.name} names {node}, which does not exist"
+        first = {key: next(i for i, line in enumerate(lines) if line.startswith(key)) for key in ("**Read**", "**Run**")}
+        assert 4 < first["**Read**"] < first["**Run**"], page.name
