@@ -154,3 +154,11 @@ def test_each_lesson_page_opens_with_its_one_test_and_that_test_exists():
         assert name in functions(ROOT / path), f"{page.name} names {node}, which does not exist"
         first = {key: next(i for i, line in enumerate(lines) if line.startswith(key)) for key in ("**Read**", "**Run**")}
         assert 4 < first["**Read**"] < first["**Run**"], page.name
+
+
+def test_the_readmes_lesson_paragraphs_are_at_most_8_lines():
+    """The README carries the few numbers that make each lesson; the tables live on its page."""
+    text = (ROOT / "README.md").read_text()
+    lessons = text[text.index("## The lessons"):text.index("\n## ", text.index("## The lessons") + 1)]
+    long = [p.splitlines()[0] for p in lessons.split("\n\n") if len(p.splitlines()) > 8]
+    assert long == [], long
