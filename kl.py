@@ -47,8 +47,6 @@ How beta moves (`--kl-control`), once per step, from a measured KL (READS says w
             --kl-target-min, unchanged in between; clamped to [0.001, 10]. KL: the update's own,
             the batch's token mean of k3 between the policy that sampled and the policy after
             the update (update.policy_shift). From 10 to the floor in 23 steps below the range.
-    range-ref   this project's earlier reading of report 003: the same range and clamp, but
-            x0.8 below it and the rollouts' KL to the reference (42 steps from 10 to the floor).
     proportional   Ziegler et al. (2019), as TRL's AdaptiveKLController and verl's and
             OpenRLHF's adaptive controllers: e = clip(KL / T - 1, -0.2, 0.2),
             beta *= 1 + e * n / horizon, n the samples of the step (N = B*K), horizon
@@ -71,10 +69,10 @@ import torch
 
 ESTIMATORS = ("k1", "k2", "k3")
 REWARD_ESTIMATOR, LOSS_ESTIMATOR = "k1", "k3"      # --kl-estimator auto, by where the KL goes
-CONTROLS = ("fixed", "ratio", "range", "range-ref", "proportional")
+CONTROLS = ("fixed", "ratio", "range", "proportional")
 # which measured KL each rule reads: the step's rollouts' KL to the reference ("kl"), or the
 # update's KL between the policy before and after it ("policy_shift": report 003's code)
-READS = {"fixed": "kl", "ratio": "kl", "range": "policy_shift", "range-ref": "kl", "proportional": "kl"}
+READS = {"fixed": "kl", "ratio": "kl", "range": "policy_shift", "proportional": "kl"}
 
 
 def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -94,8 +92,8 @@ class KLRule:
     """How beta moves: the control and the numbers it reads (train.py's --kl-* flags)."""
     control: str = "fixed"
     target: float = 0.01                  # ratio, proportional
-    target_min: float = 0.01              # range, range-ref
-    target_max: float = 0.1               # range, range-ref
+    target_min: float = 0.01              # range
+    target_max: float = 0.1               # range
     horizon: float = 10000.0              # proportional
     samples_per_step: int = 1             # proportional: Ziegler's n_steps (N = B*K here)
 
@@ -104,9 +102,9 @@ class KLController:
     """beta for the next step, from the KL measured on this one."""
 
     UP = 1.5
-    DOWN = {"ratio": 0.8, "range": 1 / 1.5, "range-ref": 0.8}     # report 003's code divides by 1.5
+    DOWN = {"ratio": 0.8, "range": 1 / 1.5}     # report 003's code divides by 1.5
     CLAMP = {"fixed": (0.0, float("inf")), "ratio": (0.01, 1.0), "range": (0.001, 10.0),
-             "range-ref": (0.001, 10.0), "proportional": (0.0, float("inf"))}
+             "proportional": (0.0, float("inf"))}
 
     def __init__(self, beta: float, rule: KLRule | None = None):
         rule = rule or KLRule()
@@ -126,7 +124,7 @@ class KLController:
             return self.beta
         if rule.control == "ratio":
             high, low = 2 * rule.target, 0.5 * rule.target
-        elif rule.control in ("range", "range-ref"):
+        elif rule.control == "range":
             high, low = rule.target_max, rule.target_min
         else:
             return self.beta

@@ -139,13 +139,12 @@ class Config:
     beta: float = opt(GRPO.beta, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
                       aliases=("--kl-coef",))
     kl_control: str = opt("fixed", "how beta moves: fixed, ratio (report 002), range (report 003's code: x1.5 / "
-                                   "/1.5 on the update's KL between old and new policy), range-ref (our earlier "
-                                   "reading: x0.8 on the KL to the reference) or proportional (Ziegler et al., as "
+                                   "/1.5 on the update's KL between old and new policy) or proportional (Ziegler et al., as "
                                    "TRL/verl/OpenRLHF)", choices=kl.CONTROLS)
     kl_target: float = opt(0.01, "ratio and proportional control: the KL target")
     kl_horizon: float = opt(10000.0, "proportional control: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon")
-    kl_target_min: float = opt(0.01, "range and range-ref control: lower beta below this KL")
-    kl_target_max: float = opt(0.1, "range and range-ref control: raise beta above this KL")
+    kl_target_min: float = opt(0.01, "range control: lower beta below this KL")
+    kl_target_max: float = opt(0.1, "range control: raise beta above this KL")
     kl_estimator: str = opt("auto", "per-token KL estimator; auto = k1 in the reward, k3 in the loss (kl.py: "
                             "in the reward k3's pull nearly cancels)", choices=("auto", *kl.ESTIMATORS))
     kl_in: str = opt("auto", "where the KL goes: loss (GRPO's habit), reward (PPO's); auto = by --algo",
