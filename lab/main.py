@@ -17,6 +17,7 @@ import argparse
 import fcntl
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def summary_md(results: dict) -> str:
         fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
         when = f"{r.get('date', '?')}, {r.get('seeds', '?')} seeds" + \
             (", QUICK: a smoke test, not a result" if r.get("quick") else "")
-        source = f"report {r['report']}" if r["report"][:1].isdigit() else r["report"]    # or the 2025-26 papers
+        source = f"report {r['report']}" if re.match(r"\d{3}\b", r["report"]) else r["report"]   # or the papers
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
                      f"({when}; {r['seconds']:.0f} s){fig}\n")
@@ -140,10 +141,14 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
     experiments not run now stay as they were (a partial or interrupted lab updates only its
     own). Under a lock, re-reading the file first: two labs writing into one folder at once
     merge their entries, where one used to lose the other's. Each file is written beside and
-    renamed, so it is whole or absent."""
+    renamed, so it is whole or absent. An entry that measured what the recorded one did (the
+    same runs summarised again: the real-model lab's kept runs) keeps its date and seconds."""
     with open(out / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = read_summary(out)
+        old = results.get(name, {})
+        if all(old.get(k) == entry.get(k) for k in ("measured", "verdict", "seeds", "quick")):
+            entry = dict(entry, seconds=old["seconds"], date=old.get("date"))
         results[name] = entry
         results = {n: results[n] for n in (order or EXPERIMENTS) if n in results}
         for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results))):

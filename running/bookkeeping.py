@@ -64,9 +64,9 @@ class RunState:
 
     @classmethod
     def from_checkpoint(cls, saved: dict) -> "RunState":
-        saved = dict(saved)
-        if saved.get("prev"):        # checkpoints written before RunState: prev = (updated, rate)
-            saved["prev_updated"], saved["prev_on_format"] = saved["prev"]
+        if "prev" in saved:          # the key of checkpoints written before RunState
+            raise checkpoint.ResumeError("--resume: the checkpoint was written by an older version of train.py; "
+                                         "start the run again")
         names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted", "early_stopped"}
         return cls(**{k: v for k, v in saved.items() if k in names})
 

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -383,13 +382,12 @@ def gspo_defaults(cfg: Config, given: dict) -> Config:
 
 
 def processes_of(run_dir: Path) -> int:
-    """How many processes trained a run: its config.json's `processes`, or for a run written
-    before that field, the "x W ranks (torchrun)" of its ran_on."""
+    """How many processes trained a run (its config.json's `processes`)."""
     saved = json.loads((Path(run_dir) / "config.json").read_text())
-    if "processes" in saved:
-        return int(saved["processes"])
-    found = re.search(r" x (\d+) ranks", saved.get("ran_on", ""))
-    return int(found.group(1)) if found else 1
+    if "processes" not in saved:
+        raise ConfigError(f"--resume: {str(run_dir)!r} was written by an older version of train.py "
+                          f"(its config.json does not say how many processes trained it); start it again")
+    return int(saved["processes"])
 
 
 # Flags that change how a run is carried out, not what it computes: where the warm start is

@@ -76,18 +76,9 @@ def plot_advantages(path: Path, ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batch
     return grid
 
 
-# metrics renamed since runs were kept (old name -> new): a kept run is read under the new names
-RENAMED = {"frac_zero_std_groups": "frac_reward_zero_std"}
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [renamed(json.loads(line)) for line in f if line.strip()]
-
-
-def renamed(row: dict) -> dict:
-    """A metrics row with every old name of RENAMED under its new one (the order kept)."""
-    return {RENAMED.get(k, k): v for k, v in row.items()}
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def made_by(cfg: dict) -> str:

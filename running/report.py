@@ -13,7 +13,7 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
                               explanation of the sparse reward's failure); a PPO rollout's
                               advantage is the mean over its policy tokens
     frac_reward_zero_std      share of prompts whose K rewards are all equal (no signal; TRL's
-                              name; frac_zero_std_groups in older runs, read as this by plots.read_metrics)
+                              name)
     adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark),
                               over the advantages the loss uses: one per rollout (GRPO), one
                               per policy token (PPO)

@@ -95,14 +95,6 @@ def test_the_ratio_extremes_are_the_whole_batchs_over_its_micro_batches():
     assert stats["ratio_min"] < 1 < stats["ratio_max"]
 
 
-def test_a_run_kept_from_before_the_rename_is_read_under_trls_name(tmp_path):
-    """frac_zero_std_groups became frac_reward_zero_std (TRL's name); the real-model lab keeps
-    runs written before, and reads them under the new name."""
-    from running import plots
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "frac_zero_std_groups": 0.5, "loss": 0.1}) + "\n")
-    assert plots.read_metrics(tmp_path) == [{"step": 1, "frac_reward_zero_std": 0.5, "loss": 0.1}]
-
-
 # ---- clip fractions, counted as the anchors count them ----
 
 def clip_fracs(logp, old, adv, mask, **knobs):

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tools import bench
 from tools import decode_floor
+from running import bookkeeping
 from running import checkpoint
 from lab import compare
 from running import checks
@@ -191,6 +192,24 @@ def test_lab_writes_each_experiment_s_entry_as_it_ends(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first"]["verdict"] == "v" and not summary["first"]["quick"]   # untouched
     assert summary["second"]["quick"] and "QUICK" in (tmp_path / "SUMMARY.md").read_text()
+
+
+def test_the_same_runs_summarised_again_keep_their_date_and_seconds(tmp_path, monkeypatch):
+    """The real-model lab keeps its runs: run again only to redraw, it recorded "1 s" over the
+    2835 s its runs took, and today's date over the day they ran."""
+    entry = dict(report="001", claim="c", measured="m", verdict="v", figure=None)
+    (tmp_path / "summary.json").write_text(json.dumps({"first": dict(entry, seconds=2835.0, date="2026-11-20",
+                                                                      seeds=6, quick=False)}))
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry)})
+    lab.main(["first", "--out", str(tmp_path)])
+    kept = json.loads((tmp_path / "summary.json").read_text())["first"]
+    assert (kept["seconds"], kept["date"]) == (2835.0, "2026-11-20")
+    assert "## first (report 001)" in (tmp_path / "SUMMARY.md").read_text()
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry, measured="m2", report="a paper")})
+    lab.main(["first", "--out", str(tmp_path)])
+    changed = json.loads((tmp_path / "summary.json").read_text())["first"]
+    assert changed["seconds"] < 2835.0 and changed["date"] != "2026-11-20"
+    assert "## first (a paper)" in (tmp_path / "SUMMARY.md").read_text()
 
 
 def test_an_entry_missing_a_key_is_said_and_replaced_not_a_keyerror_after_the_run(tmp_path, monkeypatch, capsys):
@@ -494,6 +513,18 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypa
     assert json.loads((tmp_path / "run" / "config.json").read_text())["processes"] == 1
     monkeypatch.setenv("WORLD_SIZE", "2")                  # as torchrun --nproc_per_node 2 sets it
     exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]), "--resume")
+
+
+def test_a_run_written_by_an_older_version_is_refused_in_one_line(tmp_path, capsys):
+    """The readers of old runs' formats are gone: a config.json without `processes`, or a
+    checkpoint with the old `prev` key, is refused with one line, not read by guesswork."""
+    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))
+    path = tmp_path / "run" / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in saved.items() if k != "processes"}))
+    exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]), "older version")
+    with pytest.raises(checkpoint.ResumeError, match="older version"):
+        bookkeeping.RunState.from_checkpoint({"step": 2, "prev": [True, 0.5]})
 
 
 def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, monkeypatch):
