@@ -39,7 +39,7 @@ def trace(argv: list) -> Counter:
     import train
     try:
         from running import config
-    except ImportError:                         # the code before issue 32: flat modules
+    except ImportError:                         # older code: flat modules
         import config
     tracer, starts = Tracer(), []
 
@@ -49,7 +49,7 @@ def trace(argv: list) -> Counter:
             tracer.on = len(starts) == 2        # on during step 2 only
             return step_start(*args, **kwargs)
         return wrapped
-    if hasattr(train, "one_step"):              # the code before issue 32: one function per step
+    if hasattr(train, "one_step"):              # older code: one function per step
         one_step = train.one_step
 
         def traced(*args, **kwargs):
