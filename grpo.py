@@ -146,33 +146,18 @@ def importance_ratio(logp, old_logp, mask, level: str):
     s_i is the geometric mean of sequence i's token ratios: one weight per sequence, the unit
     a sequence reward (GRPO's advantage) is given in; the length normalisation keeps it near 1
     whatever the length, so GSPO clips it far more tightly (its paper: eps 3e-4 / 4e-4, and
-    a mean over sequences; `--ratio-level sequence` brings both unless they are given)."""
+    a mean over sequences; `--ratio-level sequence` brings both unless they are given). Under
+    PPO's clip (surrogates.ppo_clip) every token of sequence i then carries the same
+    L_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i): aggregated with
+    seq-mean-token-mean the loss is GSPO's mean over sequences of L_i, and unclipped
+    dL_i/dlogp_it = -A_i s_i / |y_i| (clipped: 0). A one-token sequence's s_i is its token
+    ratio: the two levels then give the same loss. PPO's advantages are per token, so the
+    sequence level is GRPO's, and RCE has no ratio (running/checks.py refuses both)."""
     if level == "token":
         return surrogates.token_ratio(logp, old_logp)                           # (n, C), log r in [-20, 20]
     m = mask.to(logp.dtype)
     mean_log_ratio = ((logp - old_logp) * m).sum(1) / m.sum(1).clamp_min(1)    # (n,)
     return torch.exp(mean_log_ratio).unsqueeze(1)                               # (n, 1)
-
-
-def clipped_surrogate(ratio, adv, eps_low: float, eps_high: float):
-    """PPO's clipped objective, to be maximised, and where clipping bites.
-
-    ratio: (n, C) per token or (n, 1) per sequence (importance_ratio); adv: (n,) one per
-    sequence (GRPO) or (n, C) one per token (PPO). Returns (surrogate, clipped bool), both of
-    the broadcast shape, (n, C) or (n, 1). With the sequence ratio (GSPO), every token of
-    sequence i carries the same
-    L_i = -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i): aggregated with
-    seq-mean-token-mean the loss is GSPO's mean over sequences of L_i, and unclipped
-    dL_i/dlogp_it = -A_i * s_i / |y_i| (clipped: 0). A one-token sequence's s_i is its token
-    ratio: the two levels then give the same loss. PPO's advantages are per token, so the
-    sequence level is GRPO's and RCE has no ratio (running/checks.py refuses both).
-    """
-    a = adv.unsqueeze(1) if adv.dim() == 1 else adv                         # (n, 1) or (n, C)
-    unclipped = ratio * a
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * a
-    # min(): the objective never rewards moving the ratio past the clip range.
-    surrogate = torch.min(unclipped, clipped)                               # (n, C) or (n, 1)
-    return surrogate, clipped < unclipped
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")
@@ -213,16 +198,13 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     keep = None                                 # 80/20: the policy gradient on the forking tokens only
     if hp.top_entropy_quantile < 1:
         keep = surrogates.high_entropy_mask(entropy, mask, hp.top_entropy_quantile)   # (n, C)
-    if hp.policy_loss == "clip":
+    if hp.policy_loss == "clip":                # PPO's clip, on the token ratio or GSPO's sequence ratio
         ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)         # (n, C) or (n, 1)
-        surrogate, clipped = clipped_surrogate(ratio, rows.advantages, hp.clip_low, hp.clip_high)
-        surrogate, clipped = surrogate.expand_as(logp), clipped.expand_as(logp) # (n, C): a sequence's
-                                                                                # ratio on its every token
-        per_token = -surrogate                                                  # (n, C)
-        low, high = clipped & (ratio < 1).expand_as(logp), clipped & (ratio > 1).expand_as(logp)
+        per_token, low, high = (t.expand_as(logp) for t in                      # (n, C): a sequence's
+                                surrogates.ppo_clip(ratio, rows.advantages, hp.clip_low, hp.clip_high))   # on its tokens
     else:                       # the 2025-26 objectives (surrogates.py), token ratios
         per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp, keep)
-        clipped = low | high
+    clipped = low | high
     if rows.is_weight is not None:              # the rollout/training mismatch's correction (mismatch.py)
         per_token = per_token * rows.is_weight
     if keep is not None and hp.policy_loss != "gmpo":   # gmpo's mean already leaves the others out

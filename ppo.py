@@ -23,7 +23,7 @@ One PPO step, per token t of sequence i:
     r_it     = R_i * [t is the last policy token] - beta * kl_it     (KL in the reward, --kl-in)
     A, G     = advantages.gae(r, V_old, mask, gamma, lam)            (G: the value targets)
     A        = whiten(A)                                             (over the batch's tokens)
-    L_policy = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)    (grpo.clipped_surrogate)
+    L_policy = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)    (surrogates.ppo_clip)
     L_value  = 1/2 max((V - G)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - G)^2)
     loss     = L_policy + vf_coef * L_value - entropy_coef * H     (+ beta * kl_t with --kl-in loss)
 

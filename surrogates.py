@@ -1,6 +1,6 @@
 """The policy-gradient objective: PPO's clip and what 2025-26 trainers put in its place.
 
-PPO's clip (grpo.clipped_surrogate) bounds how far one update moves each token's probability:
+PPO's clip (`ppo_clip`) bounds how far one update moves each token's probability:
 a token past the edge its advantage pushes toward (r > 1 + eps_high with A > 0, r < 1 - eps_low
 with A < 0) has a gradient of exactly 0. That is the safety, and the problem the newer
 objectives answer; a token past the other edge keeps its gradient (A < 0 at r = 100 is pushed
@@ -64,7 +64,8 @@ def advantage_per_token(adv: torch.Tensor) -> torch.Tensor:
 
 
 def ppo_clip(ratio, adv, eps_low: float, eps_high: float):
-    """PPO's clipped surrogate as a loss (n, C), and where it clipped (low, high).
+    """PPO's clipped surrogate as a loss, and where it clipped (low, high): (n, C) for token
+    ratios, (n, 1) for GSPO's one ratio a sequence (grpo.importance_ratio).
 
         loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
 
@@ -216,7 +217,7 @@ def policy_gradient_loss(logp, old_logp, adv, mask, hp, keep=None):
     """The per-token policy-gradient loss (n, C) of hp.policy_loss, and where its bounds bit
     (low, high), (n, C) bool each. hp: grpo.HyperParams (its clip_low/clip_high, dual_clip_c,
     cispo_max, sapo_tau_pos/neg, gmpo_delta, cov_ratio, clip_cov_lb/ub, kl_cov_coef). Every one
-    takes the token ratio; 'clip' itself (and GSPO's sequence ratio) is grpo.clipped_surrogate's.
+    takes the token ratio; 'clip' itself (on GSPO's sequence ratio too) is ppo_clip, called by grpo.policy_loss.
     keep (n, C): the 80/20 mask (high_entropy_mask) or None. The caller multiplies a token's
     loss by it, except GMPO's, whose geometric mean is taken over the kept tokens instead."""
     ratio = token_ratio(logp, old_logp)                                          # (n, C)

@@ -6,6 +6,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import grpo
+import surrogates
 import logprobs
 import update
 from conftest import grpo_update, synthetic_batch, tiny_model
@@ -21,19 +22,19 @@ from rollout import completion_mask
     (1.5, -2.0, 1.5 * -2.0, False),      # A < 0, ratio above 1+eps: min keeps the worse 1.5*A
 ])
 @pytest.mark.lesson
-def test_clipped_surrogate_against_hand_arithmetic(ratio, adv, expected, clipped):
+def test_ppo_clip_against_hand_arithmetic(ratio, adv, expected, clipped):
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), math.log(ratio))
-    s, c = grpo.clipped_surrogate(torch.exp(logp - old), torch.tensor([adv]), 0.2, 0.2)
-    assert s.item() == pytest.approx(expected, rel=1e-6)
-    assert c.item() == clipped
+    loss, low, high = surrogates.ppo_clip(torch.exp(logp - old), torch.tensor([adv]), 0.2, 0.2)
+    assert -loss.item() == pytest.approx(expected, rel=1e-6)
+    assert (low | high).item() == clipped
 
 
 @pytest.mark.lesson
 def test_decoupled_upper_clip():
     logp = torch.full((1, 1), math.log(1.25))
-    s, _ = grpo.clipped_surrogate(torch.exp(logp), torch.tensor([1.0]), 0.2, 0.28)
-    assert s.item() == pytest.approx(1.25)      # inside DAPO's wider upper bound
+    loss, _, _ = surrogates.ppo_clip(torch.exp(logp), torch.tensor([1.0]), 0.2, 0.28)
+    assert -loss.item() == pytest.approx(1.25)      # inside DAPO's wider upper bound
 
 
 @pytest.mark.lesson

@@ -10,6 +10,7 @@ import torch
 
 from running import config
 import grpo
+import surrogates
 import logprobs
 import train
 from conftest import grpo_update, quick, synthetic_batch, tiny_model
@@ -37,8 +38,8 @@ def gspo_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2):
 
 
 def our_loss(logp, old, adv, mask, agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, level="sequence"):
-    surrogate, _ = grpo.clipped_surrogate(grpo.importance_ratio(logp, old, mask, level), adv, eps_low, eps_high)
-    return grpo.aggregate(-surrogate.expand_as(logp), mask, agg, len(logp), int(mask.sum()), logp.shape[1])
+    loss, _, _ = surrogates.ppo_clip(grpo.importance_ratio(logp, old, mask, level), adv, eps_low, eps_high)
+    return grpo.aggregate(loss.expand_as(logp), mask, agg, len(logp), int(mask.sum()), logp.shape[1])
 
 
 @pytest.mark.lesson
@@ -67,8 +68,9 @@ def test_clipped_sequence_gets_no_gradient(shift, adv):
     assert loss.item() == pytest.approx(-bound * adv, rel=1e-6)
     loss.backward()
     assert logp.grad.abs().max().item() == 0.0
-    _, clipped = grpo.clipped_surrogate(grpo.importance_ratio(logp, old, mask, "sequence"), torch.tensor([adv]),
-                                        3e-4, 4e-4)
+    _, low, high = surrogates.ppo_clip(grpo.importance_ratio(logp, old, mask, "sequence"), torch.tensor([adv]),
+                                       3e-4, 4e-4)
+    clipped = low | high
     assert clipped.shape == (1, 1) and clipped.all(), "one ratio per sequence, clipped as a whole"
 
 

@@ -230,8 +230,8 @@ def test_at_one_update_per_batch_the_ratio_based_fixes_are_the_plain_policy_grad
         want = g_plain_seq if name in surrogates.OWN_AGGREGATION else g_plain     # in the objective's own aggregation
         torch.testing.assert_close(g * mask, want * mask, rtol=1e-6, atol=1e-7, msg=name)
     hp = grpo.HyperParams(mini_batch=6, micro_batch=6, clip_high=0.28)          # clip-higher: grpo's own clip
-    surrogate, _ = grpo.clipped_surrogate(torch.exp(logp - old), adv, hp.clip_low, hp.clip_high)
-    (g,) = torch.autograd.grad(token_mean(-surrogate.expand_as(logp), mask), logp)
+    loss, _, _ = surrogates.ppo_clip(torch.exp(logp - old), adv, hp.clip_low, hp.clip_high)
+    (g,) = torch.autograd.grad(token_mean(loss.expand_as(logp), mask), logp)
     torch.testing.assert_close(g * mask, g_plain * mask, rtol=1e-6, atol=1e-7)
     torch.manual_seed(0)
     (g,) = torch.autograd.grad(ours("clip-cov", logp, old, adv, mask, cov_ratio=0.2, clip_cov_lb=0.0)[0], logp)

@@ -9,6 +9,7 @@ from transformers import Qwen2ForCausalLM
 from running import config
 from running import session
 import grpo
+import surrogates
 import logprobs
 from models import policy
 import ppo
@@ -83,7 +84,7 @@ def test_masked_environment_tokens_do_not_move_the_loss(tiny):
     mask[0, -5:] = 0
     prompt = torch.tensor([tok("Use the tools", add_special_tokens=False)["input_ids"]])
     logp, _ = logprobs.completion_logprobs(model, Tokens(prompt, torch.ones_like(prompt), ids, torch.ones_like(ids)))
-    surrogate = lambda old: grpo.aggregate(-grpo.clipped_surrogate(torch.exp(logp - old), torch.tensor([1.0]), 0.2, 0.2)[0],
+    surrogate = lambda old: grpo.aggregate(surrogates.ppo_clip(torch.exp(logp - old), torch.tensor([1.0]), 0.2, 0.2)[0],
                                            mask, "token-mean", 1, int(mask.sum()), 24)
     old = logp.detach().clone()
     other = old.clone()
