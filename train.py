@@ -20,7 +20,8 @@ The default run is not DeepSeekMath's GRPO. It departs in four places, each a fl
 
 so it is the plain policy gradient with a baseline (grpo.py says why each is the default).
 
-One step (`rl_step`), file by file: the task (tasks/) samples K completions or K tool-calling
+Before the first step, `reference_and_optimizer` builds the reference (a frozen copy of the
+policy RL starts from) and AdamW with the critic's own group. One step (`rl_step`), file by file: the task (tasks/) samples K completions or K tool-calling
 episodes per prompt (rollout.py, which records their log-probs with logprobs.py) and scores
 them (rewards.py); the algorithm's `prepare` turns the rewards into advantages (grpo.py: one
 per sequence, advantages.py; ppo.py: one per token, a critic and GAE; rce.py: reward weights);
@@ -34,6 +35,7 @@ samples.jsonl, summary.json, curves.png and, with --save-every, checkpoints/ (`-
 continues from the newest). Under torchrun each rank runs this file on its share of every
 step's prompts; the few lines that differ call running/distributed.py (docs/lessons/6-torchrun.md).
 """
+import copy
 import dataclasses
 import sys
 from typing import Callable
@@ -54,6 +56,27 @@ from running.config import Config, fail, parse_config
 from running.session import Learner, Run, RankLost, begin_step, difficulty, draw_prompts, open as open_run
 from running.session import stopped_at_once
 from models import pretrained
+
+
+# ---- built once, before the first step (running/session.py calls it with the loaded policy) ----
+
+def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
+    """The reference: the policy RL starts from, frozen (the warm start; with --init-from the
+    first stage's weights, as TRL and verl take the initial policy), kept only when beta > 0.
+    The optimizer: AdamW without weight decay, over param_groups."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    return ref, torch.optim.AdamW(param_groups(cfg, model, critic), lr=cfg.lr, weight_decay=0.0)
+
+
+def param_groups(cfg: Config, model, critic) -> list:
+    """The policy's parameters; PPO's critic (a value head, or with --critic separate a network)
+    in a group of its own at --critic-lr, its norm clipped on its own (update.optimizer_step).
+    A shared value head at --lr stays in the policy's group, one clip over both."""
+    if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
+        return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
+    scale = (cfg.critic_lr or cfg.lr) / cfg.lr
+    return [{"params": list(model.parameters())},
+            {"params": list(critic.parameters()), "lr": cfg.lr * scale, "lr_scale": scale}]
 
 
 # ---- one step ----
@@ -173,7 +196,7 @@ def exit_code(summary: dict) -> int:
 def train(cfg: Config) -> dict:
     """Run GRPO, PPO or RCE as configured (or resume it) in its locked folder; write the run's
     files; return its summary (summary.json)."""
-    with open_run(cfg) as run:          # load, resume, logs, lock, signals; the summary on leaving
+    with open_run(cfg, reference_and_optimizer) as run:   # load, resume, logs, lock, signals; the summary after
         task = run.learner.task
         for step in range(run.state.step + 1, cfg.steps + 1):
             begin_step(run, step)

@@ -1,7 +1,7 @@
 """Setting a run up and closing it: the policy loaded, the optimizer and controllers built, a
 resume restored, the logs opened, the folder locked, signals caught, and the summary written.
 
-    with session.open(cfg) as run:          # train.py: everything a run needs, in run
+    with session.open(cfg, build) as run:   # train.py: everything a run needs, in run
         ...                                 # the loop
     run.summary                             # summary.json's contents, after the block
 
@@ -9,7 +9,6 @@ Under torchrun every rank opens the same run (rank 0 alone writes its files); a 
 that fails because another rank died ends the run with one line (RankLost).
 """
 import contextlib
-import copy
 import dataclasses
 import json
 import random
@@ -92,9 +91,10 @@ def threads_kept():
 
 
 @contextlib.contextmanager
-def open(cfg: Config):
+def open(cfg: Config, build: Callable):
     """The run of cfg, set up (or resumed) in its locked folder, signals caught; on leaving
-    the block its logs are closed and rank 0 writes the summary (run.summary)."""
+    the block its logs are closed and rank 0 writes the summary (run.summary). build(cfg,
+    policy, critic) -> (reference, optimizer): train.py's reference_and_optimizer."""
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     out = Path(cfg.out or default_out(cfg))
@@ -104,7 +104,7 @@ def open(cfg: Config):
     # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock);
     # torch's thread count (start: --threads) is given back after, for whoever called train()
     with checkpoint.RunLock(out) if main else contextlib.nullcontext(), threads_kept():
-        run = start(cfg, out)
+        run = start(cfg, out, build)
         # the handlers stay through the writing after the loop: a signal in the run's last second
         # is noted and the summary and curves.png are finished (it once killed the process between them)
         with checkpoint.Interrupts(run.log) as run.interrupts:
@@ -215,21 +215,10 @@ def load(cfg: Config, task, device: str, log, init: dict | None = None):
     return model.to(device), tok
 
 
-def param_groups(cfg: Config, model, critic) -> list:
-    """The optimizer's parameter groups: the policy's; PPO's critic (a value head, or with
-    --critic separate a network) in a group of its own at --critic-lr, clipped on its own
-    (update.optimizer_step). A shared value head at --lr stays in the policy's group, one clip
-    over both, as before --critic-lr existed."""
-    if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
-        return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
-    scale = (cfg.critic_lr or cfg.lr) / cfg.lr
-    return [{"params": list(model.parameters())},
-            {"params": list(critic.parameters()), "lr": cfg.lr * scale, "lr_scale": scale}]
-
-
-def start(cfg: Config, out: Path) -> Run:
-    """Load the policy, build the optimizer and controllers, resume if asked, open the logs
-    and evaluate at step 0."""
+def start(cfg: Config, out: Path, build: Callable) -> Run:
+    """Load the policy, build the reference and the optimizer (build: train.py's
+    reference_and_optimizer) and the controllers, resume if asked, open the logs and evaluate
+    at step 0."""
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     if cfg.threads or not cfg.model:                 # the tiny model: 1 thread (--threads, docs/performance.md)
         torch.set_num_threads(cfg.threads or 1)
@@ -251,11 +240,7 @@ def start(cfg: Config, out: Path) -> Run:
     value_head = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
         ppo.ValueHead(model.config.hidden_size).to(device)                # PPO's critic (ppo.py)
     scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
-    # The reference is the policy RL starts from, also when resuming: load() always returns it
-    # (the warm start; with --init-from, the first stage's weights: the KL then anchors GRPO
-    # to the policy it was handed, as TRL and verl take the initial policy as the reference).
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
-    optimizer = torch.optim.AdamW(param_groups(cfg, model, value_head), lr=cfg.lr, weight_decay=0.0)
+    ref, optimizer = build(cfg, model, value_head)   # load() returns the policy RL starts from, also on resume
     # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")

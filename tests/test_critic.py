@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from running import checkpoint
-from running import session
 from running import config
 import update
 import logprobs
@@ -67,12 +66,12 @@ def test_param_groups_put_the_critic_at_its_own_lr():
     model = tiny_model()
     parse = lambda *a: config.Config(algo="ppo", lr=1e-3, **dict(a))
     shared = ppo.ValueHead(model.config.hidden_size)
-    groups = session.param_groups(parse(), model, shared)
+    groups = train.param_groups(parse(), model, shared)
     assert len(groups) == 1 and len(groups[0]["params"]) == len(list(model.parameters())) + 2
-    groups = session.param_groups(parse(("critic_lr", 1e-2)), model, shared)
+    groups = train.param_groups(parse(("critic_lr", 1e-2)), model, shared)
     assert [g.get("lr_scale") for g in groups] == [None, pytest.approx(10.0)] and groups[1]["lr"] == pytest.approx(1e-2)
     critic = ppo.Critic(model)
-    groups = session.param_groups(parse(("critic", "separate")), model, critic)
+    groups = train.param_groups(parse(("critic", "separate")), model, critic)
     assert len(groups) == 2 and groups[1]["lr_scale"] == 1.0
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in critic.parameters()}
 
