@@ -4,12 +4,9 @@
     python train.py --k 2 --batch 3 --norm group   # report 001's setting, for contrast
     python train.py --algo ppo                     # PPO: a value head, GAE, the same task
     python train.py --task tools --reward sparse   # report 000: a multi-turn tool agent
-    python train.py --task tools --reward sparse --difficulty 3 --curriculum   # report 000: short -> long tasks
-    python train.py --algo rce --reward composite --save-every 20 --out runs/rce   # report 003's RCE ...
-    python train.py --init-from runs/rce --reward composite                        # ... then GRPO from it
+    python train.py --algo rce --reward composite --save-every 20 --out runs/rce   # report 003's RCE
     python train.py --model smollm2-135m --k 4 --batch 4 --lr 2e-5 --steps 20   # a real LLM (docs/lessons/5-real-llm.md)
     torchrun --standalone --nproc_per_node 2 train.py --k 8 --norm global      # the same run on 2 processes
-    python train.py --help                         # every flag, with its meaning
 
 The default run is not DeepSeekMath's GRPO. It departs in four places, each a flag away:
 
@@ -20,20 +17,17 @@ The default run is not DeepSeekMath's GRPO. It departs in four places, each a fl
 
 so it is the plain policy gradient with a baseline (grpo.py says why each is the default).
 
-Before the first step, `reference_and_optimizer` builds the reference (a frozen copy of the
-policy RL starts from) and AdamW with the critic's own group. One step (`rl_step`), file by file: the task (tasks/) samples K completions or K tool-calling
-episodes per prompt (rollout.py, which records their log-probs with logprobs.py) and scores
-them (rewards.py); the algorithm's `prepare` turns the rewards into advantages (grpo.py: one
-per sequence, advantages.py; ppo.py: one per token, a critic and GAE; rce.py: reward weights);
-update.py's loop differentiates the algorithm's `loss`. Around the steps, the loop (`train`)
-moves the learning rate, the entropy bonus and beta (step_hyper_params), and hands each step
-to the machinery's bookkeeping (running/bookkeeping.py: evaluation, the monitor, logs,
-checkpoints), opened and closed by running/session.py (the lock, resume, signals, summary).
-
-The run's folder (--out) holds config.json, metrics.jsonl (every metric: running/report.py),
-samples.jsonl, summary.json, curves.png and, with --save-every, checkpoints/ (`--resume RUN`
-continues from the newest). Under torchrun each rank runs this file on its share of every
-step's prompts; the few lines that differ call running/distributed.py (docs/lessons/6-torchrun.md).
+Before the first step `reference_and_optimizer` builds the reference (a frozen copy of the
+policy RL starts from) and AdamW. One step (`rl_step`): the task (tasks/) samples K completions
+or tool-calling episodes per prompt (rollout.py, logprobs.py) and scores them (rewards.py); the
+algorithm's `prepare` makes advantages (grpo.py and advantages.py; ppo.py: per token, a critic
+and GAE; rce.py: reward weights); update.py's loop differentiates its `loss`. Around it, the loop
+sets each step's lr, entropy bonus and beta (step_hyper_params), moves the controllers and counts
+report 001's collapses (`steer`); running/bookkeeping.py evaluates, logs and checkpoints, and
+running/session.py opens and closes the run (lock, resume, signals, summary). The run's folder
+(--out) holds config.json, metrics.jsonl (every metric: running/report.py), samples.jsonl,
+summary.json, curves.png and, with --save-every, checkpoints/ (`--resume RUN` continues). Under
+torchrun each rank runs this file on its share of the prompts (docs/lessons/6-torchrun.md).
 """
 import copy
 import dataclasses
@@ -44,6 +38,7 @@ import torch
 
 import dynamic_sampling
 import grpo
+import kl
 import mismatch
 import ppo
 import rce
@@ -69,9 +64,8 @@ def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
 
 
 def param_groups(cfg: Config, model, critic) -> list:
-    """The policy's parameters; PPO's critic (a value head, or with --critic separate a network)
-    in a group of its own at --critic-lr, its norm clipped on its own (update.optimizer_step).
-    A shared value head at --lr stays in the policy's group, one clip over both."""
+    """The policy's parameters; PPO's critic (a value head or a network) in a group of its own at
+    --critic-lr, clipped on its own (update.optimizer_step), unless a shared head at --lr."""
     if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
         return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
     scale = (cfg.critic_lr or cfg.lr) / cfg.lr
@@ -182,6 +176,23 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
                                entropy_coef=entropy_coef, **tau)
 
 
+def steer(run: Run, row: dict, stats: dict, batch) -> None:
+    """After the update: beta from the KL its rule reads (kl.py; report 003's range rule reads the
+    update's own, policy_shift), adaptive entropy's weight (entropy_control.py), and report 001's
+    collapsed_after_update: this step's on-format rate at most half the updated step's before."""
+    cfg = run.cfg
+    if kl.READS[cfg.kl_control] == "policy_shift" and batch is not None and stats["steps_taken"]:
+        with run.learner.autocast():
+            stats["policy_shift"] = update.policy_shift(run.learner.scorer, batch, run.hp)
+    measured = {**row, **stats}.get(kl.READS[cfg.kl_control])
+    if row["kl"] is not None and measured is not None:
+        run.kl_control.update(measured)
+    if run.entropy_control is not None and stats["steps_taken"]:
+        row["entropy_coef_adaptive"] = run.entropy_control.update(stats["entropy"])
+    collapsed = run.state.count(row["step"], stats, row[run.learner.task.FORMAT_KEY], cfg.n)
+    row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
+
+
 def exit_code(summary: dict) -> int:
     """128 + the signal's number when one stopped the run (130 Ctrl-C, 143 SIGTERM, as a shell
     reports a killed job); 1 when it stopped on a failure, could write none of its checkpoints,
@@ -211,7 +222,8 @@ def train(cfg: Config) -> dict:
             row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],
                    "entropy_coef": hp.entropy_coef, **({"rce_temp": hp.rce_temp} if hp.algo == "rce" else {}),
                    **({"difficulty": level} if task.MAX_DIFFICULTY > 1 else {})}
-            # beta, counts, alerts, held-out evaluation, early stop, logs, checkpoints
+            steer(run, row, stats, batch)                  # beta, adaptive entropy, report 001's count
+            # alerts, held-out evaluation, early stop, logs, checkpoints
             if end_step(run, row, stats, (batch, outcomes, prompts)):
                 break
     return run.summary

@@ -1,6 +1,7 @@
 """A run's bookkeeping between steps: what it remembers (RunState), and what happens after each
-step's update (end_step): beta moves, the step is counted, the monitor watches, the held-out
-evaluation runs when due, early stopping decides, the logs are written and checkpoints saved.
+step's update and train.py's `steer` (beta, adaptive entropy, the count): the monitor watches,
+the held-out evaluation runs when due, early stopping decides, the logs are written and
+checkpoints saved (end_step).
 
 train.py's loop calls end_step once per step; running/session.py sets a run up and closes it.
 """
@@ -17,10 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 
-import kl
 import logprobs
 import rollout
-import update
 from running import checkpoint, config, distributed, evaluate, monitor, report
 
 if TYPE_CHECKING:
@@ -89,17 +88,14 @@ class RunState:
 # ---- after each step ----
 
 def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
-    """A step's bookkeeping after its update: move beta, count the step, raise the monitor's
-    alerts (account); evaluate on the held-out prompts when due and keep the best; early
-    stopping; write the metrics and samples; the progress line; a checkpoint when due.
+    """A step's bookkeeping after its update and train.py's controllers: the logs of skips,
+    the monitor's alerts (account); evaluate on the held-out prompts when due and keep the best;
+    early stopping; write the metrics and samples; the progress line; a checkpoint when due.
     sampled: the step's (batch, outcomes, prompts); batch None when nothing could be sampled.
     True: the run stops here."""
     batch, outcomes, prompts = sampled
     cfg, state, task = run.cfg, run.state, run.learner.task
     step = row["step"]
-    if kl.READS[cfg.kl_control] == "policy_shift" and batch is not None and stats["steps_taken"]:
-        with run.learner.autocast():          # report 003's range rule: the KL the update made
-            stats["policy_shift"] = update.policy_shift(run.learner.scorer, batch, run.hp)
     # a signal reaches one rank at a time: every rank stops at the step any of them got one
     # (the step's last collective; account's other inputs are the same on every rank)
     signal = distributed.first_reason(run.interrupts.signal)
@@ -175,18 +171,9 @@ def say_once(run: Run, row: dict) -> None:
 
 
 def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
-    """After a step: move beta, count the step (updates, collapses, skips) into the row and
-    the run's state, raise the monitor's alerts; return why the run must stop, or None."""
+    """After a step: say what went wrong once, raise the monitor's alerts; return why the run
+    must stop, or None."""
     cfg, state, step = run.cfg, run.state, row["step"]
-    # beta for the next step, from the KL its rule reads: the rollouts' to the reference, or
-    # (report 003's range rule) the update's between the old and the new policy
-    measured = {**row, **stats}.get(kl.READS[cfg.kl_control])
-    if row["kl"] is not None and measured is not None:
-        run.kl_control.update(measured)
-    if run.entropy_control is not None and stats["steps_taken"]:     # the bonus's weight for the next step
-        row["entropy_coef_adaptive"] = run.entropy_control.update(stats["entropy"])
-    collapsed = state.count(step, stats, row[run.learner.task.FORMAT_KEY], cfg.n)
-    row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
     if row.get("update_skipped") == "no_group_kept" and "no_group_kept" not in run.said:
         run.said.add("no_group_kept")            # once: metrics.jsonl's update_skipped marks every such step
         run.log(f"step {step}: dynamic sampling: in every one of {row['sampling_rounds']} rounds of {cfg.batch} "
