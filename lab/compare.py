@@ -7,7 +7,7 @@ Each quoted setting is a train.py command line (added to --common). Every settin
 seeds 0 .. S-1 into OUT/runs/<setting>/s<seed>/, all from the same cached warm start. It prints
 a Markdown table of the final held-out rates (mean ± std over seeds, [min-max]), how many
 runs ended off-format (held-out valid rate < 0.5), the crash-after-update rate and its
-floor (what a frozen policy would score at the same on-format rates: running/monitor.py), and
+floor (what a frozen policy would score at the same on-format rates: monitor.py), and
 draws OUT/compare.png: held-out best rate per step, each setting's mean over seeds and its
 spread (min to max) overlaid on one panel.
 RL is noisy: one seed proves nothing, so this is how the README's numbers are made.

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from lab import compare
-from running import monitor
+import monitor
 from running import plots
 from lab.common import Lab, mean, end, metric_rows
 
@@ -53,7 +53,7 @@ def group_norm(lab: Lab) -> dict:
     k2_agg, k8_agg = a[lab.shrink("--k 2 --batch 3 --norm group")], a[lab.shrink("--k 8 --batch 3 --norm group")]
     fair, gspo = m[lab.shrink("--k 2 --batch 12 --norm group")], m[lab.shrink(GSPO)]
     crash = mean(r["crash_rate"] for r in k2_agg)
-    floor = mean(r["crash_floor"] for r in k2_agg)      # a frozen policy at the same rates (running/monitor.py)
+    floor = mean(r["crash_floor"] for r in k2_agg)      # a frozen policy at the same rates (monitor.py)
     off = sum(r["ended_off_format"] for r in k2_agg)
     best = lambda runs: end(runs, "eval_best_rate_end")
     return dict(report="001", figure="group_norm/compare.png",

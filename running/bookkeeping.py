@@ -19,8 +19,9 @@ import torch
 from safetensors import SafetensorError
 
 import logprobs
+import monitor
 import rollout
-from running import checkpoint, config, distributed, evaluate, monitor, report
+from running import checkpoint, config, distributed, evaluate, report
 
 if TYPE_CHECKING:
     from running.session import Run

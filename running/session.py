@@ -26,13 +26,14 @@ import entropy_control
 import grpo
 import kl
 import logprobs
+import monitor
 import mismatch
 import ppo
 import rollout
 import shared_prefix
 import tasks
 from models import policy, pretrained
-from running import checkpoint, config, distributed, monitor, report, schedules
+from running import checkpoint, config, distributed, report, schedules
 from running import checks
 from running.bookkeeping import RunState, held_out, keep_best, reserve_bytes, save_best
 from running.config import Config, default_out

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from running import config
-from running import monitor
+import monitor
 import train
 
 

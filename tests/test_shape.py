@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 LESSONS = ("advantages", "dynamic_sampling", "grpo", "kl", "logprobs", "ppo", "rce", "rewards", "rollout",
            "shared_prefix", "surrogates", "entropy_control", "mismatch",
-           "tool_env", "update")
+           "tool_env", "update", "monitor")
 MACHINERY = ("running", "tasks", "models", "lab")
 ALLOWED = {"torch", "transformers", *LESSONS, *sys.stdlib_module_names}
 

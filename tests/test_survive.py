@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from running import checkpoint
 from running import session
 from running import config
-from running import monitor
+import monitor
 import train
 from tasks import workflow_task
 from conftest import quick
