@@ -34,7 +34,7 @@ a group [r1, r2] has mean (r1+r2)/2 and population std |r1-r2|/2, so
     A_1 = (r1 - r2) / |r1 - r2| = +-1        whatever the gap between r1 and r2.
 
 A valid-but-second-best answer (0.2) next to the best one (1.0) is pushed away exactly as
-hard as garbage would be. `python -m running.plots advantages` draws it; tests/test_advantages.py
+hard as garbage would be. `python -m lab.figures` draws it; tests/test_advantages.py
 pins it down.
 
 Conventions (chosen, not laws; the tests show the alternatives):

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from lab import compare
 import monitor
+from lab import figures
 from running import plots
 from lab.common import Lab, mean, end, metric_rows
 
@@ -12,7 +13,7 @@ from lab.common import Lab, mean, end, metric_rows
 
 def k2_pm1(lab: Lab) -> dict:
     """Advantage distributions for K = 2, 4, 8, 16 under each norm (report 001)."""
-    grid = plots.plot_advantages(lab.dir("k2_pm1") / "advantages.png")
+    grid = figures.plot_advantages(lab.dir("k2_pm1") / "advantages.png")
     pm1 = {k: grid[("group", k)][1] for k in (2, 4, 8, 16)}
     zero = grid[("group", 2)][2]
     nonzero_pm1 = pm1[2] / (1 - zero) if zero < 1 else float("nan")

@@ -10,7 +10,7 @@ import advantages
 import grpo
 import logprobs
 import update
-from running import plots
+from lab import figures
 from models import policy
 import rewards
 import rollout
@@ -59,7 +59,7 @@ def batch_size(lab: Lab) -> dict:
     swing = {s: mean(mean(abs(b["reward_mean"] - a["reward_mean"]) for a, b in zip(rows[1:], rows[2:]))
                      for rows in map(metric_rows, runs)) for s, runs in r.items()}
     small, big = (swing[lab.shrink(s)] for s in ("--batch 2", "--batch 16"))
-    plots.plot_bars(lab.dir("batch_size") / "gradient_variance.png",
+    figures.plot_bars(lab.dir("batch_size") / "gradient_variance.png",
                     {"64 samples": var_small, "512 samples": var_big},
                     "per-parameter gradient variance", f"GRPO policy gradient at the warm start, {repeats} batches each")
     ratio = var_small / var_big
@@ -176,7 +176,7 @@ def monitor_warning(lab: Lab) -> dict:
     false_alarm = mean(sum(1 for x in metric_rows(run)[1:] if x["alerts"]) / max(1, len(metric_rows(run)) - 1)
                        for run in healthy)
     if plotted:
-        plots.plot_monitor(lab.dir("monitor") / "monitor.png", metric_rows(plotted), "a collapsing K=2 run (lr 7e-3)")
+        figures.plot_monitor(lab.dir("monitor") / "monitor.png", metric_rows(plotted), "a collapsing K=2 run (lr 7e-3)")
     found = [w for w in warnings if w is not None]
     return dict(report="002", figure="monitor/monitor.png" if plotted else None,
                 claim="alerts at entropy < 0.5, KL > 0.5, reward swing > 0.3 over 10 steps warn of a collapse",

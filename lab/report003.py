@@ -5,6 +5,7 @@ import statistics
 from pathlib import Path
 
 from lab import compare
+from lab import figures
 from running import plots
 from lab.common import Lab, mean, end, metric_rows
 
@@ -81,7 +82,7 @@ def rce_grpo(lab: Lab) -> dict:
     groups = list(ev["baseline"])
     best = {label: {g: [e[g]["best_rate"] for e in evals] for g in groups} for label, evals in kept.items()}
     best = {"warm start": {g: [ev["baseline"][g]["best_rate"]] for g in groups}, **best}
-    plots.plot_grouped_bars(lab.dir("rce_grpo") / "by_type.png", best, "held-out best rate",
+    figures.plot_grouped_bars(lab.dir("rce_grpo") / "by_type.png", best, "held-out best rate",
                             f"report 003's pipelines on the DSL task, composite reward, {lab.seeds} seeds; kept "
                             f"checkpoints, fresh seed; {plots.made_by(json.loads((folders[0] / 'config.json').read_text()))}")
     lines = ["| pipeline | " + " | ".join(groups) + " | vs warm start (all) | steps run |",

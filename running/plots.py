@@ -1,80 +1,18 @@
-"""Figures of the project, each drawn from real computations or real runs.
+"""A run's figure, and the reading of its metrics.
 
-    python plots.py advantages            # results/k2_pm1/advantages.png: the K=2 +-1 spikes
-    python plots.py run OUT_DIR           # OUT_DIR/curves.png from a run's metrics.jsonl
+    python -m running.plots run OUT_DIR   # OUT_DIR/curves.png from a run's metrics.jsonl
 
-The lab (lab/) draws every figure of the README with these functions.
+The lab's own figures (comparisons, the K=2 advantages, bars) are in lab/compare.py and
+lab/figures.py.
 """
 import argparse
 import json
-import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # no screen needed
 import matplotlib.pyplot as plt
-import torch
-
-import advantages as adv
-
-# The reward mix of report 001's starting point: 42.8% off-format (0), 57.2% valid DSL,
-# of which a minority is the best workflow. The split of the valid share into 0.2 and 1.0
-# is our assumption (the report does not give it): a third best, two thirds other valid.
-REPORT_001_MIX = {0.0: 0.43, 0.2: 0.38, 1.0: 0.19}
-
-
-def sample_rewards(n_batches: int, n: int, mix: dict, seed: int = 0) -> torch.Tensor:
-    """(n_batches, n) rewards drawn i.i.d. from mix {reward: probability}."""
-    gen = torch.Generator().manual_seed(seed)
-    values = torch.tensor(list(mix.keys()))
-    probs = torch.tensor(list(mix.values()))
-    idx = torch.multinomial(probs, n_batches * n, replacement=True, generator=gen)
-    return values[idx].view(n_batches, n)
-
-
-def advantage_grid(ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batches=500, seed=0):
-    """{(norm, k): (all advantages, share |A| == 1, share of zero-variance groups)}."""
-    rewards = sample_rewards(n_batches, n, REPORT_001_MIX, seed)   # (n_batches, N)
-    out = {}
-    for k in ks:
-        for norm in norms:
-            a = torch.cat([adv.compute(r, k, norm) for r in rewards])   # (n_batches*N,)
-            zero = sum(adv.frac_zero_std(r, k) for r in rewards) / n_batches
-            out[(norm, k)] = (a, adv.frac_pm1(a), zero)
-    return out
-
-
-def plot_advantages(path: Path, ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batches=500):
-    grid = advantage_grid(ks, norms, n, n_batches)
-    fig, axes = plt.subplots(len(norms), len(ks), figsize=(3.2 * len(ks), 1.9 * len(norms)),
-                             sharex=True, squeeze=False)
-    bins = torch.linspace(-3, 3, 121).tolist()
-    for i, norm in enumerate(norms):
-        for j, k in enumerate(ks):
-            a, pm1, zero = grid[(norm, k)]
-            ax = axes[i][j]
-            # Weights make each panel a share of all samples, so spike heights compare.
-            ax.hist(a.clamp(-3, 3).numpy(), bins=bins, weights=[1 / a.numel()] * a.numel(),
-                    color="C3" if (k == 2 and norm == "group") else "C0")
-            ax.set_ylim(0, 0.5)
-            ax.text(0.02, 0.95, f"|A|=1: {pm1:.0%}\nzero-var groups: {zero:.0%}",
-                    transform=ax.transAxes, va="top", fontsize=7)
-            if i == 0:
-                ax.set_title(f"K = {k}")
-            if j == 0:
-                ax.set_ylabel(f"{norm}\nshare", fontsize=9)
-            if i == len(norms) - 1:
-                ax.set_xlabel("advantage (clamped to ±3 for display)")
-    fig.suptitle(f"Advantage distributions, N={n} rewards per batch drawn from report 001's mix "
-                 f"(P(0)={REPORT_001_MIX[0.0]}, P(0.2)={REPORT_001_MIX[0.2]}, "
-                 f"P(1)={REPORT_001_MIX[1.0]}), {n_batches} batches", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return grid
-
 
 def read_metrics(run_dir: Path) -> list[dict]:
     with open(Path(run_dir) / "metrics.jsonl") as f:
@@ -138,78 +76,14 @@ def plot_run(run_dir: Path) -> Path:
     return path
 
 
-def plot_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar(list(values), list(values.values()), color=["C0", "C1", "C2", "C3"][:len(values)])
-    ax.set(ylabel=ylabel, title=title)
-    ax.title.set_fontsize(8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
-    """values: {bar label: {group: [one value per seed]}}: per group, a bar per label at the
-    mean over seeds, the seeds as dots."""
-    labels = list(values)
-    groups = list(next(iter(values.values())))
-    width = 0.8 / len(labels)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(groups), 3.6))
-    for i, label in enumerate(labels):
-        for j, g in enumerate(groups):
-            xs, x = values[label][g], j + (i - (len(labels) - 1) / 2) * width
-            ax.bar(x, sum(xs) / len(xs), width, color=f"C{i}", label=label if j == 0 else None)
-            ax.plot([x] * len(xs), xs, "k.", ms=3)
-    ax.set_xticks(range(len(groups)), groups)
-    ax.set(ylabel=ylabel)
-    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def plot_monitor(path: Path, rows: list, title: str) -> Path:
-    """A run's curves with the stability monitor's alerts as shaded steps, one band per alert."""
-    rows = [r for r in rows if "valid_rate" in r]
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for key, style in [("valid_rate", "C2-"), ("reward_mean", "C0-"), ("entropy", "C1-"), ("kl", "C4-")]:
-        ys = [r.get(key) for r in rows]
-        if any(y is not None for y in ys):
-            ax.plot(steps, [y if y is not None else float("nan") for y in ys], style, label=key)
-    for i, name in enumerate(["entropy_low", "kl_high", "reward_swing"]):
-        on = [s for s, r in zip(steps, rows) if name in (r.get("alerts") or [])]
-        ax.plot(on, [-0.05 - 0.05 * i] * len(on), "|", color=f"C{i + 5}", ms=8, label=f"alert {name}")
-    ax.set(xlabel="step", title=f"stability monitor (report 002 thresholds) on {title}")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="figure", required=True)
-    p = sub.add_parser("advantages", help="advantage distributions for K = 2, 4, 8, 16 under each norm")
-    p.add_argument("--out", type=Path, default=Path("results/k2_pm1/advantages.png"))
     p = sub.add_parser("run", help="curves of one training run")
     p.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
-    if args.figure == "run":
-        print(f"wrote {plot_run(args.run_dir)}")
-    elif args.figure == "advantages":
-        grid = plot_advantages(args.out)
-        print(f"wrote {args.out}")
-        print("share of advantages with |A| == 1 (zero-variance groups), by norm and K:")
-        for norm in adv.NORMS:
-            cells = "  ".join(f"K={k}: {grid[(norm, k)][1]:5.1%} ({grid[(norm, k)][2]:4.0%})"
-                              for k in (2, 4, 8, 16))
-            print(f"  {norm:7s} {cells}")
+    print(f"wrote {plot_run(args.run_dir)}")
 
 
 if __name__ == "__main__":
