@@ -216,18 +216,19 @@ def table(results: dict, columns=()) -> str:
 # / Var(G), at most 1 and -900 when every return is nearly equal (report.py); below -1 the critic is
 # useless all the same.
 AXIS_RANGE = {"explained_variance": (-1.05, 1.05)}
+MEDIAN = ("explained_variance",)     # one seed's -900 would drag a mean off the axis: these draw the median
 LOG_SCALE = ("kl", "kl_coef")
 
 
-def band(runs: list, key: str) -> tuple:
-    """A setting's curve of `key` over its seeds: (steps, mean, min, max), each step over the
+def band(runs: list, key: str, center=statistics.mean) -> tuple:
+    """A setting's curve of `key` over its seeds: (steps, center, min, max), each step over the
     seeds that logged it there (a stopped run is shorter; a metric a step could not compute,
     such as the entropy of no completion, is missing; evaluations exist only at their steps)."""
     by_step = [{x["step"]: x[key] for x in plots.read_metrics(r["out"]) if x.get(key) is not None}
                for r in runs]
     steps = sorted(set().union(*by_step))
     cols = [[s[t] for s in by_step if t in s] for t in steps]
-    return steps, [statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+    return steps, [center(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
 
 
 def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -> None:
@@ -244,11 +245,11 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
     for i, key in enumerate(metrics):
         ax, drawn = axes[i // cols][i % cols], 0
         for j, (name, runs) in enumerate(results.items()):
-            steps, mean, low, high = band(runs, key)        # step 0 is the warm start
+            steps, mean, low, high = band(runs, key, statistics.median if key in MEDIAN else statistics.mean)
             ax.fill_between(steps, low, high, color=f"C{j}", alpha=0.18, lw=0)
             ax.plot(steps, mean, color=f"C{j}", lw=2, label=textwrap.fill(f"{name} ({len(runs)})", 60))
             drawn += len(steps)
-        ax.set(xlabel="step", ylabel=key)
+        ax.set(xlabel="step", ylabel=f"{key} (median over seeds)" if key in MEDIAN else key)
         if not drawn:
             ax.text(0.5, 0.5, "no run logged it", ha="center", transform=ax.transAxes)
         elif key in LOG_SCALE:

@@ -2,6 +2,7 @@
 figure and gets a verdict computed from its numbers; tools/bench.py measures a step, and
 tools/decode_floor.py's bare decoding computes what a full forward computes."""
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -165,8 +166,9 @@ def test_the_bench_without_trl_points_to_a_page_that_exists(capsys, monkeypatch)
 
 
 def test_a_comparison_figure_draws_each_setting_as_its_mean_and_spread_over_the_seeds_that_logged_a_step(tmp_path):
-    """compare.figure overlays the settings on one panel a metric: each a mean line and a band
-    from min to max, at every step over the seeds that logged the metric there."""
+    """compare.figure overlays the settings on one panel a metric: each a mean line (the median
+    for explained variance, where one seed's -900 would drag a mean off the axis) and a band from
+    min to max, at every step over the seeds that logged the metric there."""
     from lab import compare
     logged = {0: [(0, 0.1), (1, 0.5), (2, None)], 1: [(0, 0.3), (1, 0.1), (2, 0.4)], 2: [(0, 0.2)]}   # seed 2 stopped
     runs = []
@@ -178,5 +180,9 @@ def test_a_comparison_figure_draws_each_setting_as_its_mean_and_spread_over_the_
     steps, mean, low, high = compare.band(runs, "entropy")
     assert steps == [0, 1, 2]
     assert mean == pytest.approx([0.2, 0.3, 0.4]) and low == [0.1, 0.1, 0.4] and high == [0.3, 0.5, 0.4]
+    assert compare.band(runs, "entropy", statistics.median)[1] == pytest.approx([0.2, 0.3, 0.4])
     compare.figure({"a": runs, "b": runs[:2]}, tmp_path / "compare.png", "t", ("entropy", "kl"))
     assert (tmp_path / "compare.png").stat().st_size > 0
+    for seed, v in enumerate((0.2, 0.1, -900.0)):           # one seed's wild value: the median stays on the axis
+        (tmp_path / f"s{seed}" / "metrics.jsonl").write_text(json.dumps({"step": 1, "explained_variance": v}) + "\n")
+    assert compare.band(runs, "explained_variance", statistics.median)[1:] == ([0.1], [-900.0], [0.2])
