@@ -23,12 +23,13 @@ run (`python train.py`) keeps none of the last three and normalises globally:
     epochs 1, one mini-batch   every ratio is 1 and the clip is inert: the update is the
                                plain policy gradient (tests/test_surrogates.py)      --epochs 2
     beta 0                     no KL term, no reference model in memory              --beta 0.04
-    norm global                a batch's mean and std, not a group's: report 001's K=2 lesson
-                               (advantages.py) is the reason it is not the default   --norm group
-    loss-agg token-mean        DAPO's: a long sequence is not down-weighted          --loss-agg seq-mean-token-mean GRPO departs
-from PPO in two places: the advantage is a group statistic of sequence rewards instead of a
-learned value (no critic), and the KL to the reference is a loss term instead of a reward
-penalty. eps_high > eps_low is DAPO's decoupled ("clip-higher") bound.
+    norm global                a batch's mean and std, not a group's: with K=2 a group's
+                               gives exactly +-1 (report 001, advantages.py)         --norm group
+    loss-agg token-mean        DAPO's: a long sequence is not down-weighted          --loss-agg seq-mean-token-mean
+
+GRPO departs from PPO in two places: the advantage is a group statistic of sequence rewards
+instead of a learned value (no critic), and the KL to the reference is a loss term instead of
+a reward penalty. eps_high > eps_low is DAPO's decoupled ("clip-higher") bound.
 
 One update (update.py's loop, the same for GRPO, PPO and RCE):
 

@@ -15,7 +15,7 @@ The default run is not DeepSeekMath's GRPO. It departs in four places, each a fl
     global normalisation, (r - mean) / std over the whole batch             --norm group
     token-mean: every token of the batch weighs the same                    --loss-agg seq-mean-token-mean
 
-so it is the plain policy gradient with a baseline (grpo.py says why each is the default).
+so it is the plain policy gradient with a baseline (grpo.py says what each one changes).
 
 Before the first step `reference_and_optimizer` builds the reference (a frozen copy of the
 policy RL starts from) and AdamW. One step (`rl_step`): the task (tasks/) samples K completions

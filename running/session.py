@@ -1,5 +1,6 @@
-"""Setting a run up and closing it: the policy loaded, the optimizer and controllers built, a
-resume restored, the logs opened, the folder locked, signals caught, and the summary written.
+"""Setting a run up and closing it: the policy loaded, the reference and the optimizer built
+(train.py's reference_and_optimizer, called here), the controllers built, a resume restored,
+the logs opened, the folder locked, signals caught, and the summary written.
 
     with session.open(cfg, build) as run:   # train.py: everything a run needs, in run
         ...                                 # the loop
