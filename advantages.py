@@ -46,6 +46,8 @@ Conventions (chosen, not laws; the tests show the alternatives):
   group whose gap is 1e-3 gets +-0.83 instead of +-1.
 - Computation runs in float64 and is cast back, so "exactly +-1" is exact in float32.
 """
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,24 @@ GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo")  # th
 
 
 EPS = 1e-6          # the floor of every std we divide by: a zero-variance group gets 0, not NaN
+
+
+@dataclass
+class Knobs:
+    """The advantage: K samples a prompt and how their rewards are normalised (GRPO's; PPO's is GAE)."""
+    k: int = field(default=8, metadata={"help": "samples per prompt (K); group norms need K >= 2", "max": 4096})
+    norm: str = field(default="global", metadata={"help": "advantage estimator", "choices": NORMS,
+                                                   "algos": ("grpo",)})
+    unbiased: bool = field(default=False, metadata={"flag": False, "help": "Bessel-corrected std in the advantage (TRL/verl "
+                                                    "habit; K=2 -> +-0.71)", "algos": ("grpo",)})
+    adv_clip: float = field(default=0.0, metadata={"help": "clamp advantages to [-c, c]; 0 = off", "min": 0,
+                                                   "algos": ("grpo",)})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if group_size_problem(cfg.k, cfg.norm):
+        yield "k", group_size_problem(cfg.k, cfg.norm)
 
 
 # ---- under torchrun: a sum over processes (the identity in one process) ----

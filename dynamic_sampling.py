@@ -27,12 +27,30 @@ gives every token a baseline) and RCE (equal rewards: plain imitation) are refus
 torchrun (ranks would sample different numbers of rounds): running/checks.py.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 import rollout
+
+
+@dataclass
+class Knobs:
+    """DAPO's dynamic sampling: sample past the groups whose K rewards are all equal."""
+    dynamic_sampling: bool = field(default=False, metadata={"help": "drop groups whose K rewards are all equal "
+                                   "and sample more prompts until B groups differ"})
+    max_sampling_rounds: int = field(default=8, metadata={"help": "--dynamic-sampling: rounds of B prompts at most "
+                                     "per step; at the cap the step trains on the groups it kept", "min": 1})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.dynamic_sampling and cfg.algo != "grpo":
+        yield "dynamic-sampling", (f"drops the groups a group baseline gives advantage 0; --algo {cfg.algo} " + (
+            "gives every token a baseline from its critic" if cfg.algo == "ppo" else "imitates them instead"))
+    if cfg.dynamic_sampling and cfg.k < 2:
+        yield "dynamic-sampling", f"compares the K rewards of a group and needs --k >= 2, got {cfg.k}"
 
 # (N, ...) fields of a Rollout: the prompt's are left-padded, the completion's right-padded.
 # Every per-row field a round can carry is here (rollout_logp: the sampler's own log-probs, which
@@ -91,7 +109,7 @@ class Budget:
     sampling can make every group one reward, round after round), and stop(), True once the
     run was asked to stop (a signal): the step then ends after the round in progress."""
     rounds: int = 8
-    seconds: float = float("inf")
+    seconds: float = 300.0            # every group one reward, round after round, under near-greedy sampling
     stop: Callable[[], bool] = lambda: False
 
 

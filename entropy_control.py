@@ -21,7 +21,34 @@ measures no entropy, and c waits for the next one. The controller's state is sav
 checkpoint, so a resumed run continues it.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Knobs:
+    """The entropy bonus: its weight, a linear decay, or adaptive control toward a target entropy."""
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus weight (at the first step)", "min": 0,
+                                                       "max": 100.0, "algos": ("grpo", "ppo")})
+    entropy_coef_end: float = field(default=-1.0, metadata={"help": "entropy bonus at the last step, linear in "
+                                    "between; -1 = no decay", "algos": ("grpo", "ppo")})
+    entropy_target: float = field(default=0.0, metadata={
+        "help": "adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the bonus applies while the "
+                "token entropy is at or below this, its weight moving from --entropy-coef by --entropy-coef-delta "
+                "a step; 0 = off", "min": 0, "algos": ("grpo", "ppo")})
+    entropy_coef_delta: float = field(default=0.005, metadata={"flag": False, "help": "--entropy-target: how far the bonus's "
+                                      "weight moves per step (> 0)", "max": 100.0, "needs": "entropy_target"})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.entropy_coef_end != -1 and cfg.entropy_coef_end < 0:
+        yield "entropy-coef-end", f"must be >= 0 (or -1 = no decay), got {cfg.entropy_coef_end}"
+    if cfg.entropy_coef_delta <= 0:
+        yield "entropy-coef-delta", f"must be > 0, got {cfg.entropy_coef_delta}"
+    if cfg.entropy_target and cfg.entropy_coef > AdaptiveEntropy.coef_max:
+        yield "entropy-coef", f"adaptive control keeps the weight at most {AdaptiveEntropy.coef_max}, got {cfg.entropy_coef}"
+    if cfg.entropy_target and cfg.entropy_coef_end != -1:
+        yield "entropy-coef-end", "a decay schedule and --entropy-target would both set the bonus's weight; give one"
 
 
 @dataclass

@@ -46,66 +46,59 @@ reward-weighted cross-entropy. Every knob is a field of HyperParams, built once 
 train.py's flags (running/config.py: hyper_params); `python train.py --k 8 --norm global`
 runs it.
 """
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import advantages
+import entropy_control
 import kl
+import mismatch
 import rewards
+import rollout
 import surrogates
+import update
+
+RATIO_LEVELS = ("token", "sequence")                                  # importance_ratio
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")      # aggregate
 
 
-@dataclass(frozen=True)
-class HyperParams:
-    """GRPO's knobs: everything one step's advantages and update read. The defaults are the
-    command line's (running/config.py reads them from here); every "0 means the default" of
-    a flag is resolved before this is built, and train.py replaces beta, entropy_coef and
-    seed each step. PPO's (ppo.PPOParams) and RCE's (rce.RCEParams) extend it."""
-    mini_batch: int                  # sequences per optimizer step (N: one step per epoch)
-    micro_batch: int                 # sequences per forward/backward (gradient accumulation)
+@dataclass
+class Knobs:
+    """GRPO's own: the importance ratio's level, how per-token losses are averaged, report 001's guard."""
+    ratio_level: str = field(default="token", metadata={
+        "help": "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the geometric mean of its "
+                "token ratios; then, unless given, its paper's --clip-eps 3e-4 --clip-eps-high 4e-4 --loss-agg "
+                "seq-mean-token-mean)", "choices": RATIO_LEVELS})
+    loss_agg: str = field(default="token-mean", metadata={"help": "how per-token losses are averaged (aggregate)",
+                                                          "choices": AGGREGATIONS, "algos": ("grpo", "ppo")})
+    skip_all_fallback: bool = field(default=False, metadata={"flag": False, "help": "report 001's guard: no update when every "
+                                                             "sample is fallback text"})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.ratio_level == "sequence" and cfg.algo != "grpo":
+        yield "ratio-level", f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} " + (
+            "has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)")
+
+
+# the lessons whose knobs one step's advantages and update read
+KNOBS = (Knobs, advantages.Knobs, surrogates.Knobs, update.Knobs, kl.Knobs, entropy_control.Knobs, rewards.Knobs,
+         mismatch.Knobs, rollout.Knobs)
+
+
+@dataclass
+class HyperParams(*KNOBS):
+    """Everything one step's advantages and update read: the knobs of the lessons they belong to,
+    each defined (with its default and help) in that lesson, and five values train.py derives.
+    running/config.py builds it from the flags, this rank's share of --mini-batch, and
+    train.py replaces beta, entropy_coef and seed each step. PPO's (ppo.PPOParams) and RCE's
+    (rce.RCEParams) extend it with their lesson's knobs."""
     algo: str = "grpo"               # grpo | ppo | rce: which prepare and loss train.py uses
-    # advantages (prepare)
-    k: int = 8                       # samples per prompt: rows i*K ... i*K+K-1 share a prompt
-    norm: str = "global"             # advantages.compute's estimator
-    unbiased: bool = False           # Bessel-corrected std in the advantage
-    adv_clip: float | None = None    # clamp advantages to [-c, c]; None = off
     kl_in_reward: bool = False       # beta * KL leaves the reward (PPO's habit), not the loss
-    # the loss
-    clip_low: float = 0.2            # ratio kept in [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2
-    ratio_level: str = "token"       # token (PPO) or sequence (GSPO): importance_ratio
-    policy_loss: str = "clip"        # clip (PPO's) | dual-clip | cispo | sapo | gmpo (surrogates.py)
-    dual_clip_c: float = 3.0         # dual-clip: the loss of an A < 0 token at most -c * A
-    cispo_max: float = 5.0           # cispo: the importance weight capped here
-    sapo_tau_pos: float = 1.0        # sapo: the gate's temperature for A > 0
-    sapo_tau_neg: float = 1.05       # sapo: ... and for A < 0
-    gmpo_delta: float = 0.4          # gmpo: each log-ratio clipped to [-delta, delta]
-    cov_ratio: float = 2e-4          # clip-cov, kl-cov: the share of tokens they touch
-    clip_cov_lb: float = 1.0         # clip-cov: candidates have lb < cov < ub
-    clip_cov_ub: float = 5.0
-    kl_cov_coef: float = 1.0         # kl-cov: the penalty's weight
-    top_entropy_quantile: float = 1.0   # the policy-gradient loss only on this top share of tokens by entropy
-    overlong_buffer: int = 0         # DAPO: the last this-many tokens before max_len cost up to -1; 0 = off
-    mask_truncated: bool = False     # DAPO: completions cut at the token limit are left out of the loss
-    rollout_correction: str = "none"  # the rollout/training mismatch's: none | tis | mis (mismatch.py)
-    rollout_correction_level: str = "token"   # token | sequence (the geometric mean)
-    rollout_c_min: float = 0.5       # mis: a weight below this drops its token
-    rollout_c_max: float = 3.0       # tis: the weight capped here; mis: a weight above drops its token
-    beta: float = 0.0                # KL coefficient (this step's, kl.py)
-    kl_estimator: str = "k3"         # kl.estimate's k1 | k2 | k3
-    entropy_coef: float = 0.0        # entropy bonus (this step's)
-    loss_agg: str = "token-mean"     # aggregate's mode
-    max_len: int = 24                # the longest completion ("constant" aggregation)
-    temperature: float = 1.0         # the sampling temperature: log-probs of softmax(z / T)
-    # the optimisation
-    epochs: int = 1                  # passes over the batch
-    max_grad_norm: float = math.inf  # clip the global gradient norm (inf: measure only)
-    target_kl: float = 0.0           # stop the epochs once approx_kl passes it; 0 = off
-    fast: bool = False               # length-sorted micro-batches, cut to their longest row
+    max_len: int = 24                # the longest completion ("constant" aggregation, DAPO's overlong buffer)
     reuse_old_logp: bool = False     # old log-probs = this forward's, detached (--fast)
-    skip_all_fallback: bool = False  # report 001's guard: no update on all-fallback batches
     seed: int = 0                    # the mini-batch shuffle's seed (this step's)
 
 
@@ -125,16 +118,15 @@ def prepare(batch, hp: HyperParams) -> None:
         r = r + torch.tensor([rewards.overlong_penalty(int(n), hp.max_len, hp.overlong_buffer)
                               for n in mask.sum(1).tolist()], dtype=r.dtype)
     if hp.kl_in_reward and batch.ref_logp is not None:
-        kl_t = kl.estimate(batch.old_logp, batch.ref_logp, hp.kl_estimator)       # (N, C)
+        kl_t = kl.estimate(batch.old_logp, batch.ref_logp, kl.estimator(hp))       # (N, C)
         r = r - hp.beta * (kl_t * mask).sum(1).cpu()
     # batch statistics (global, batch, reinforce++-baseline) are summed over every process
-    batch.advantages = advantages.compute(r, hp.k, hp.norm, unbiased=hp.unbiased, clip=hp.adv_clip,
+    batch.advantages = advantages.compute(r, hp.k, hp.norm, unbiased=hp.unbiased, clip=hp.adv_clip or None,
                                           lengths=mask.sum(1).cpu()).to(mask.device)  # (N,)
 
 
 # ---- the loss ----
 
-RATIO_LEVELS = ("token", "sequence")
 
 
 def importance_ratio(logp, old_logp, mask, level: str):
@@ -161,7 +153,6 @@ def importance_ratio(logp, old_logp, mask, level: str):
     return torch.exp(mean_log_ratio).unsqueeze(1)                               # (n, 1)
 
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")
 
 
 def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, max_len: int):
@@ -202,7 +193,7 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     if hp.policy_loss == "clip":                # PPO's clip, on the token ratio or GSPO's sequence ratio
         ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)         # (n, C) or (n, 1)
         per_token, low, high = (t.expand_as(logp) for t in                      # (n, C): a sequence's
-                                surrogates.ppo_clip(ratio, rows.advantages, hp.clip_low, hp.clip_high))   # on its tokens
+                                surrogates.ppo_clip(ratio, rows.advantages, *surrogates.clip_range(hp)))   # on its tokens
     else:                       # the 2025-26 objectives (surrogates.py), token ratios
         per_token, low, high = surrogates.policy_gradient_loss(logp, old_logp, rows.advantages, mask, hp, keep)
     clipped = low | high
@@ -212,10 +203,10 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
         per_token = per_token * keep
     sums = {}
     if rows.ref_logp is not None:
-        kl_t = kl.estimate(logp, rows.ref_logp, hp.kl_estimator)                # (n, C)
+        kl_t = kl.estimate(logp, rows.ref_logp, kl.estimator(hp))               # (n, C)
         if not hp.kl_in_reward:
             per_token = per_token + hp.beta * kl_t
-        k3 = kl_t.detach() if hp.kl_estimator == "k3" else kl.estimate(logp.detach(), rows.ref_logp, "k3")
+        k3 = kl_t.detach() if kl.estimator(hp) == "k3" else kl.estimate(logp.detach(), rows.ref_logp, "k3")
         sums["ref_kl"] = (k3 * mask).sum().item()
     if hp.entropy_coef > 0:
         per_token = per_token - hp.entropy_coef * entropy

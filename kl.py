@@ -63,7 +63,7 @@ beta: with a range rule, beta keeps falling until the KL climbs past kl_target_m
 at its floor if it never does. Report 003's KL (old to new policy) is small whenever the
 updates are: there the floor is reached by any run whose steps move the policy little.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,51 @@ CONTROLS = ("fixed", "ratio", "range", "proportional")
 # which measured KL each rule reads: the step's rollouts' KL to the reference ("kl"), or the
 # update's KL between the policy before and after it ("policy_shift": report 003's code)
 READS = {"fixed": "kl", "ratio": "kl", "range": "policy_shift", "proportional": "kl"}
+
+
+@dataclass
+class Knobs:
+    """KL to the reference: its weight beta, how beta moves, how the KL is estimated and where it goes."""
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient (at the start, if adaptive); 0 with fixed "
+                                               "control = no reference model", "min": 0, "max": 100.0,
+                                               "aliases": ("--kl-coef",)})
+    kl_control: str = field(default="fixed", metadata={"help": "how beta moves: fixed, ratio (report 002), range "
+                            "(report 003's code: x1.5 / /1.5 on the update's KL between old and new policy) or "
+                            "proportional (Ziegler et al., as TRL/verl/OpenRLHF)", "choices": CONTROLS})
+    kl_target: float = field(default=0.01, metadata={"help": "ratio and proportional control: the KL target"})
+    kl_horizon: float = field(default=10000.0, metadata={"flag": False, "help": "proportional control: beta *= 1 + clip(KL/target "
+                                                         "- 1, +-0.2) * N / horizon"})
+    kl_target_min: float = field(default=0.01, metadata={"help": "range control: lower beta below this KL"})
+    kl_target_max: float = field(default=0.1, metadata={"help": "range control: raise beta above this KL"})
+    kl_estimator: str = field(default="auto", metadata={"help": "per-token KL estimator; auto = k1 in the reward, "
+                              "k3 in the loss (in the reward k3's pull nearly cancels)", "choices": ("auto", *ESTIMATORS)})
+    kl_in: str = field(default="auto", metadata={"help": "where the KL goes: loss (GRPO's habit), reward (PPO's); "
+                                                 "auto = by --algo", "choices": ("auto", "loss", "reward")})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    lo, hi = KLController.CLAMP[cfg.kl_control]
+    if cfg.kl_control != "fixed" and not (cfg.beta > 0 and lo <= cfg.beta <= hi):
+        yield "kl-coef", (f"--kl-control {cfg.kl_control} keeps beta in [{lo}, {hi}] and needs a starting value "
+                          f"above 0 in it, got {cfg.beta}")
+    for name in ("kl_target", "kl_horizon"):
+        if getattr(cfg, name) <= 0:
+            yield name, f"must be > 0, got {getattr(cfg, name)}"
+    # Ziegler's beta *= 1 + e * N / horizon with e down to -0.2 turns beta negative unless horizon > 0.2 N
+    if cfg.kl_control == "proportional" and cfg.kl_horizon <= 0.2 * cfg.n:
+        yield "kl-horizon", (f"must be above 0.2 * N = {0.2 * cfg.n:g} (N = --batch x --k): the step beta *= 1 + "
+                             f"e * N / horizon, e down to -0.2, would turn beta negative; got {cfg.kl_horizon:g}")
+    if not 0 < cfg.kl_target_min < cfg.kl_target_max:
+        yield "kl-target-min", (f"need 0 < --kl-target-min < --kl-target-max, got {cfg.kl_target_min} and "
+                                f"{cfg.kl_target_max}")
+
+
+def estimator(hp) -> str:
+    """--kl-estimator, auto resolved by where the KL goes: k1 in the reward, k3 in the loss."""
+    if hp.kl_estimator != "auto":
+        return hp.kl_estimator
+    return REWARD_ESTIMATOR if hp.kl_in_reward else LOSS_ESTIMATOR
 
 
 def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

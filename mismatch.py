@@ -32,6 +32,7 @@ the same weights on both sides, where only float rounding differs).
 import copy
 import dataclasses
 import math
+from dataclasses import dataclass, field
 from collections import deque
 
 import torch
@@ -40,6 +41,49 @@ from torch import nn
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}          # --rollout-dtype; "same": the policy
 CORRECTIONS = ("none", "tis", "mis")
 LEVELS = ("token", "sequence")
+
+
+@dataclass
+class Knobs:
+    """The rollout/training mismatch: a sampler that is not the policy, and the correction."""
+    rollout_dtype: str = field(default="same", metadata={"help": "sample from a copy of the policy in this dtype "
+                               "(bf16: as vLLM does); same = the policy itself", "choices": ("same", *DTYPES)})
+    rollout_stale: int = field(default=0, metadata={"help": "sample from the policy's weights of this many updates "
+                                                    "ago (asynchronous rollouts)", "min": 0, "max": 64})
+    rollout_temperature: float = field(default=0.0, metadata={"help": "sample at this temperature while training "
+                                       "scores at --temperature; 0 = the same", "min": 0, "max": 1e3})
+    rollout_correction: str = field(default="none", metadata={
+        "help": "correct the mismatch: tis (truncated IS, min(w, C_max)) or mis (masked IS / ICEPOP: w outside "
+                "[C_min, C_max] drops its token), w = pi_old / pi_sampler", "choices": CORRECTIONS,
+        "algos": ("grpo", "ppo")})
+    rollout_correction_level: str = field(default="token", metadata={"flag": False, 
+        "help": "the correction's weight per token, or per sequence (the geometric mean of its tokens')",
+        "choices": LEVELS, "needs": "rollout_correction"})
+    rollout_c_min: float = field(default=0.5, metadata={"flag": False, "help": "--rollout-correction mis: a weight below this "
+                                                        "drops its token", "needs": "rollout_correction"})
+    rollout_c_max: float = field(default=3.0, metadata={"help": "--rollout-correction tis: the cap; mis: a weight "
+                                 "above this drops its token (> 1)", "max": 1e4, "needs": "rollout_correction"})
+    log_mismatch: bool = field(default=False, metadata={"help": "record the sampler's log-probs and log the "
+                               "mismatch (sampling/*) even with no mismatch made (the null: float rounding alone)"})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.rollout_stale >= cfg.steps:
+        yield "rollout-stale", (f"{cfg.rollout_stale} updates old can never be reached in a run of --steps "
+                                f"{cfg.steps} (and each step would keep a copy of the weights)")
+    if 0 < cfg.rollout_temperature < 1e-3:
+        yield "rollout-temperature", f"must be 0 (= --temperature) or in [0.001, 1000], got {cfg.rollout_temperature}"
+    if cfg.rollout_c_max <= 1:
+        yield "rollout-c-max", f"must be > 1 (a weight of 1 is on-policy), got {cfg.rollout_c_max}"
+    if not 0 < cfg.rollout_c_min < 1:
+        yield "rollout-c-min", f"must be in (0, 1), got {cfg.rollout_c_min}"
+    if cfg.rollout_c_min != Knobs.rollout_c_min and cfg.rollout_correction != "mis":
+        yield "rollout-c-min", (f"only --rollout-correction mis drops tokens below a floor; {cfg.rollout_correction} "
+                                f"would ignore it")
+    if cfg.task == "tools" and cfg.rollout_logprobs:
+        yield "task", ("the tool task's multi-turn episodes do not record the sampler's log-probs that "
+                       "--rollout-*/--log-mismatch need (mismatch.py is built for --task dsl)")
 
 
 # ---- the sampler's log-probs ----

@@ -13,6 +13,17 @@ nor ends an episode.
 """
 import math
 from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Knobs:
+    """Report 002's monitor: alerts on entropy, KL and reward swings, and the collapse count."""
+    alert_entropy: float = field(default=0.5, metadata={"flag": False, "help": "alert when the token-mean entropy falls below "
+                                                        "this (report 002)", "min": 0})
+    stop_on_alert: bool = field(default=False, metadata={"help": "stop the run (with a checkpoint) at the "
+                                                         "monitor's first alert"})
+
 
 
 # ---- the crash flag's value under the null ----

@@ -34,7 +34,7 @@ Without --value-clip the value loss is 1/2 (V - G)^2.
     python train.py --algo ppo
 """
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,16 +45,28 @@ import kl
 import logprobs
 
 
-@dataclass(frozen=True)
-class PPOParams(grpo.HyperParams):
-    """GRPO's knobs and the critic's (the defaults are the command line's)."""
+@dataclass
+class Knobs:
+    """PPO's critic: where it lives, how fast it learns, its loss, and GAE's discounts."""
+    critic: str = field(default="shared", metadata={"help": "a value head on the policy's trunk (shared), or a "
+                        "network of its own initialised from the policy (separate, as report 000, verl, OpenRLHF)",
+                        "choices": ("shared", "separate"), "algos": ("ppo",)})
+    critic_lr: float = field(default=0.0, metadata={"help": "the critic's learning rate (value head, and with "
+                             "--critic separate its trunk); 0 = --lr; report 000 used 10x the actor's", "min": 0,
+                             "algos": ("ppo",)})
+    vf_coef: float = field(default=0.5, metadata={"help": "weight of the value loss", "min": 0, "max": 100.0,
+                                                  "algos": ("ppo",)})
+    value_clip: float = field(default=0.2, metadata={"help": "value-loss clip range around the old values; 0 = "
+                              "unclipped", "min": 0, "max": 1e6, "algos": ("ppo",)})
+    gamma: float = field(default=1.0, metadata={"help": "discount per token", "min": 0, "max": 1, "algos": ("ppo",)})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "min": 0, "max": 1, "algos": ("ppo",)})
+
+
+@dataclass
+class PPOParams(grpo.HyperParams, Knobs):
+    """GRPO's knobs and the critic's."""
     algo: str = "ppo"
-    kl_in_reward: bool = True        # PPO's habit: the KL is a reward penalty (--kl-in auto) ...
-    kl_estimator: str = "k1"         # ... estimated by k1 there (kl.py: k3 in a reward hardly pulls)
-    gamma: float = 1.0               # discount per token
-    lam: float = 0.95                # GAE lambda
-    vf_coef: float = 0.5             # weight of the value loss
-    value_clip: float = 0.2          # value-loss clip around the old values; 0 = off
+    kl_in_reward: bool = True        # PPO's habit: the KL is a reward penalty (--kl-in auto; kl.estimator: k1)
 
 
 class ValueHead(nn.Module):
@@ -134,7 +146,7 @@ def explained_variance(values, returns, mask) -> float:
 
 def prepare(batch, hp: PPOParams) -> None:
     """Fill batch.advantages (n, C, whitened) and batch.returns (n, C) from its rewards."""
-    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, hp.kl_estimator) \
+    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, kl.estimator(hp)) \
         if (hp.kl_in_reward and batch.ref_logp is not None) else None                  # (n, C)
     r = token_rewards(batch.rewards.to(batch.old_logp.device), batch.completion_mask, hp.beta, kl_t)
     adv, batch.returns = advantages.gae(r, batch.old_values, batch.completion_mask, hp.gamma, hp.lam)

@@ -31,15 +31,32 @@ group, so such a prompt contributes nothing there. Its loop is update.py's, GRPO
 (no ratio, no clipping, no KL term: the loss below replaces the clipped surrogate);
 `python -m lab rce_grpo` measures RCE-only, RCE -> GRPO and GRPO-only against the warm start.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import grpo
 
 
-@dataclass(frozen=True)
-class RCEParams(grpo.HyperParams):
+@dataclass
+class Knobs:
+    """RCE's temperature tau of the reward weights, moved linearly over the run (report 003: 1.7 -> 0.5)."""
+    rce_temp_start: float = field(default=1.7, metadata={"help": "softmax temperature tau of the reward weights at "
+                                  "the first step", "min": 1e-3, "max": 1e3, "algos": ("rce",)})
+    rce_temp_end: float = field(default=0.5, metadata={"help": "tau at the last step, linear in between",
+                                                       "min": 1e-3, "max": 1e3, "algos": ("rce",)})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.algo == "rce" and cfg.k < 2:
+        yield "k", f"--algo rce weighs the K samples of a prompt against each other and needs --k >= 2, got {cfg.k}"
+    if cfg.algo == "rce" and (cfg.beta != 0 or cfg.kl_control != "fixed"):
+        yield "beta", "--algo rce has no KL term (rce.py); leave --beta at 0 and --kl-control fixed"
+
+
+@dataclass
+class RCEParams(grpo.HyperParams, Knobs):
     """GRPO's knobs (those RCE reads: k, the batch sizes, epochs, clipping of the gradient)
     and this step's temperature tau (train.py moves it from --rce-temp-start to --rce-temp-end)."""
     algo: str = "rce"

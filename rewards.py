@@ -24,8 +24,38 @@ lands. Nothing here raises on any string: the parser returns None for what it ca
     python -c "import rewards; print(rewards.classify('Custom -> Review ? Revise : done', 'Custom -> Review ? Revise : done'))"
 """
 import re
+from dataclasses import dataclass, field
 
 import tool_env
+
+
+@dataclass
+class Knobs:
+    """The reward: which function pays a completion, and DAPO's length shaping and filtering."""
+    reward: str = field(default="shaped", metadata={
+        "help": "tools task: sparse +-1, report 000's shaped reward, or the format reward; dsl task: shaped "
+                "(report 001's 1 / 0.2 / 0) or composite (report 003's)", "choices": ("sparse", "shaped", "format", "composite")})
+    reward_clip: float = field(default=0.0, metadata={"flag": False, "help": "tools task: clamp the shaped reward to [-c, c]; "
+                                                      "0 = off", "min": 0})
+    drop_process_reward: bool = field(default=False, metadata={"flag": False, "help": "tools task: leave the tool's process "
+                                                               "reward out (report 000's bug)"})
+    overlong_buffer: int = field(default=0, metadata={"help": "DAPO's overlong shaping: a completion longer than "
+                                 "the token limit minus this many tokens loses up to 1 reward, linearly "
+                                 "(overlong_penalty); 0 = off", "algos": ("grpo",)})
+    mask_truncated: bool = field(default=False, metadata={"help": "DAPO's overlong filtering: completions cut at "
+                                 "the token limit (no EOS) are left out of the loss (TRL's "
+                                 "mask_truncated_completions)", "algos": ("grpo", "ppo")})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.reward == "composite" and cfg.task != "dsl":
+        yield "reward", f"composite is report 003's reward written for the dsl task, not --task {cfg.task}"
+    if cfg.reward in ("sparse", "format") and cfg.task != "tools":
+        yield "reward", f"{cfg.reward} is a reward of the tools task; the dsl task takes shaped (the default) or composite"
+    if not (cfg.overlong_buffer == 0 or 0 < cfg.overlong_buffer < cfg.completion_limit):
+        yield "overlong-buffer", (f"must be in [0, the completion limit {cfg.completion_limit}) (0 = off), got "
+                                  f"{cfg.overlong_buffer}")
 
 OPERATORS = ("Custom", "Programmer", "Review", "Revise", "ScEnsemble",
              "AnswerGenerate", "Test", "Format")

@@ -1,25 +1,19 @@
 """Rollouts: sample completions with Hugging Face `generate` and keep one record per batch.
 
-One `generate` call per step over all N = B*K sequences: each prompt is repeated K times,
-so prompt i owns rows i*K ... i*K+K-1 (the layout advantages.py expects). Prompts are
-left-padded so every completion starts at the same column; sampling uses the KV cache.
+One `generate` call per step over all N = B*K sequences, prompt i repeated in rows i*K ...
+i*K+K-1 (advantages.py's layout), left-padded so every completion starts at one column.
 
 The completion mask (N, C) is 1 on the tokens the policy chose, up to *and including* the
-first end-of-sequence token it sampled, and 0 after it. It is built from the position of
-the first EOS, never from pad ids: with tokenizers whose pad token is the EOS token, masking
-every pad id would silently drop the sampled EOS from the loss, and the policy would never
-learn when to stop.
+first EOS it sampled, and 0 after it: built from the first EOS's position, never from pad
+ids (where the pad token is the EOS, masking pad ids would drop the sampled EOS from the
+loss, and the policy would never learn when to stop).
 
 Multi-turn episodes (`sample_episodes`, the tool task): the policy's turns and the
-environment's replies alternate in one sequence after the prompt. The rule for the mask:
-a token the environment inserted (a `<tool_response>`) is in the context, attended to by
-every later token, but has mask 0: it is never trained on, because the policy did not
-choose it. So completion_attn (attention: every real token) and completion_mask (loss:
-the policy's tokens only) differ there.
-
-`sampling` below is a tasks.Sampling (temperature, max_new_tokens, forward_batch, ...).
+environment's replies alternate after the prompt. A token the environment inserted (a
+`<tool_response>`) is attended to (completion_attn) but never trained on (completion_mask 0):
+the policy did not choose it. `sampling` below is a tasks.Sampling.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -28,6 +22,15 @@ from transformers import GenerationConfig
 import mismatch
 import shared_prefix
 from logprobs import Tokens, completion_logprobs, left_pad, pad
+
+
+@dataclass
+class Knobs:
+    """Sampling: the temperature rollouts, scoring and evaluation share, and the longest completion."""
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature for rollouts and evaluation",
+                                                      "min": 1e-3, "max": 1e3})    # logits / T overflow past it
+    max_new_tokens: int = field(default=0, metadata={"help": "longest completion (tools: each turn); 0 = 24, or 64 "
+                                "for a real model's tool turns (a tool call: ~40 of its tokens)", "min": 0})
 
 
 @dataclass

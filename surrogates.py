@@ -37,9 +37,23 @@ against a re-implementation of verl's or TRL's formula, values and gradients, an
 each one teaches: CISPO keeps a gradient on a clipped token where PPO's clip gives none,
 dual-clip bounds the loss of a negative-advantage token whose ratio explodes.
 """
+from dataclasses import dataclass, field
+
 import torch
 
-POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo", "clip-cov", "kl-cov")
+# --policy-loss NAME -> its per-token loss, (loss, low, high), from (ratio, logp, old_logp, adv,
+# mask, keep, hp). A new objective is one function below, one line here, and its knobs in
+# Knobs (their metadata "objective" names it): the flags, their checks and the dispatch follow.
+OBJECTIVES = {
+    "dual-clip": lambda r, logp, old, adv, mask, keep, hp: dual_clip(r, adv, *clip_range(hp), hp.dual_clip_c),
+    "cispo": lambda r, logp, old, adv, mask, keep, hp: cispo(r, logp, adv, hp.cispo_max),
+    "sapo": lambda r, logp, old, adv, mask, keep, hp: sapo(r, adv, hp.sapo_tau_pos, hp.sapo_tau_neg),
+    "gmpo": lambda r, logp, old, adv, mask, keep, hp: gmpo(logp, old, adv, mask if keep is None else keep,
+                                                           hp.gmpo_delta),
+    "clip-cov": lambda r, logp, old, adv, mask, keep, hp: clip_cov(r, logp, adv, mask, hp),
+    "kl-cov": lambda r, logp, old, adv, mask, keep, hp: kl_cov(r, logp, old, adv, mask, hp),
+}
+POLICY_LOSSES = ("clip", *OBJECTIVES)       # clip: PPO's, on GSPO's sequence ratio too (grpo.policy_loss)
 
 # The loss aggregation (grpo.aggregate) an objective was written with, where it is not the
 # course's token-mean; running/config.py uses it unless --loss-agg is given. SAPO's paper
@@ -47,6 +61,64 @@ POLICY_LOSSES = ("clip", "dual-clip", "cispo", "sapo", "gmpo", "clip-cov", "kl-c
 # averages it per sequence (token-mean weighs a long sequence more: 0.32 apart on the same
 # inputs). GMPO's loss is one number per sequence, averaged over sequences (verl's geo_mean).
 OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
+CLIPPED = ("clip", "dual-clip", "clip-cov")           # the objectives PPO's [1 - eps, 1 + eps_high] bounds
+
+
+def knob(default, help, objective=CLIPPED, **more):
+    """A knob of these objectives: its default (the paper's), its help, the objectives that read it.
+    Beyond PPO's clip range they are fields, not flags: python -c or a test sets them."""
+    return field(default=default, metadata={"help": help, "objective": objective,
+                                            "flag": objective == CLIPPED, **more})
+
+
+@dataclass
+class Knobs:
+    """The policy-gradient objective: PPO's clip or a 2025-26 one in its place, and the 80/20 mask."""
+    policy_loss: str = field(default="clip", metadata={"help": "PPO's clip, or a 2025-26 objective in its place",
+                                                       "choices": POLICY_LOSSES, "algos": ("grpo", "ppo")})
+    clip_eps: float = knob(0.2, "PPO clip range: ratio kept in [1-eps, 1+eps_high]", algos=("grpo", "ppo"))
+    clip_eps_high: float = knob(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps",
+                                algos=("grpo", "ppo"))
+    dual_clip_c: float = knob(3.0, "a negative-advantage token's loss at most -c*A (c > 1)", ("dual-clip",), max=1e4)
+    cispo_max: float = knob(5.0, "the cap of the stopped importance weight (>= 1)", ("cispo",), min=1.0, max=1e4)
+    sapo_tau_pos: float = knob(1.0, "the gate's temperature for A > 0", ("sapo",), min=1e-3, max=1e3)
+    sapo_tau_neg: float = knob(1.05, "the gate's temperature for A < 0", ("sapo",), min=1e-3, max=1e3)
+    gmpo_delta: float = knob(0.4, "each token's log-ratio clipped to [-delta, delta] (> 0)", ("gmpo",), max=20.0)
+    cov_ratio: float = knob(2e-4, "the share of tokens, by covariance of advantage and log-prob, they detach / "
+                            "penalise (> 0, <= 1)", ("clip-cov", "kl-cov"), max=1)
+    clip_cov_lb: float = knob(1.0, "a candidate's covariance above this ...", ("clip-cov",))
+    clip_cov_ub: float = knob(5.0, "... and below this", ("clip-cov",))
+    kl_cov_coef: float = knob(1.0, "the weight of |log ratio| on the chosen tokens (> 0)", ("kl-cov",), max=100.0)
+    top_entropy_quantile: float = field(default=1.0, metadata={
+        "help": "the policy-gradient loss only on the tokens whose entropy is in this top share (0, 1] of a "
+                "micro-batch's (0.2: the 80/20 rule; TRL's name)", "algos": ("grpo", "ppo")})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    for name in ("dual_clip_c", "cispo_max", "sapo_tau_pos", "sapo_tau_neg", "gmpo_delta", "cov_ratio", "kl_cov_coef"):
+        floor = 1 if name == "dual_clip_c" else 0
+        if getattr(cfg, name) <= floor:
+            yield name, f"must be > {floor}, got {getattr(cfg, name)}"
+    if not 0 <= cfg.clip_eps < 1:
+        yield "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}"
+    if not 0 <= cfg.clip_eps_high <= 100:
+        yield "clip-eps-high", f"must be in [0, 100] (0 = --clip-eps), got {cfg.clip_eps_high}"
+    if cfg.clip_cov_lb >= cfg.clip_cov_ub:
+        yield "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), got {cfg.clip_cov_lb}: no token could be chosen"
+    if not 0 < cfg.top_entropy_quantile <= 1:
+        yield "top-entropy-quantile", f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}"
+    if cfg.policy_loss != "clip" and cfg.ratio_level != "token":
+        yield "policy-loss", (f"{cfg.policy_loss} weighs each token by its own ratio; --ratio-level sequence is "
+                              f"GSPO's clip, not a ratio the others take")
+    if cfg.policy_loss == "gmpo" and cfg.algo != "grpo":
+        yield "policy-loss", f"gmpo weighs a sequence by one advantage; --algo {cfg.algo} gives " + (
+            "one per token (GAE)" if cfg.algo == "ppo" else "no ratio at all")
+
+
+def clip_range(hp) -> tuple[float, float]:
+    """(eps_low, eps_high) of PPO's clip: --clip-eps-high 0 means the same as --clip-eps."""
+    return hp.clip_eps, hp.clip_eps_high or hp.clip_eps
 
 
 def token_ratio(logp, old_logp):
@@ -164,8 +236,9 @@ def clip_cov(ratio, logp, adv, mask, hp):
 
     (verl's clip_cov, its defaults ratio 2e-4, lb 1, ub 5.) The chosen tokens count as high."""
     a = advantage_per_token(adv).expand_as(logp)
-    loss, low, high = ppo_clip(ratio, adv, hp.clip_low, hp.clip_high)
-    clipped_by_ppo = (-a * ratio.clamp(1 - hp.clip_low, 1 + hp.clip_high) > -a * ratio) & mask.bool()
+    eps_low, eps_high = clip_range(hp)
+    loss, low, high = ppo_clip(ratio, adv, eps_low, eps_high)
+    clipped_by_ppo = (-a * ratio.clamp(1 - eps_low, 1 + eps_high) > -a * ratio) & mask.bool()
     cov = token_covariance(logp, adv, mask)
     cov[mask == 0] = -torch.inf
     cov[clipped_by_ppo] = -torch.inf
@@ -214,23 +287,12 @@ def high_entropy_mask(entropy, mask, quantile: float):
 
 
 def policy_gradient_loss(logp, old_logp, adv, mask, hp, keep=None):
-    """The per-token policy-gradient loss (n, C) of hp.policy_loss, and where its bounds bit
-    (low, high), (n, C) bool each. hp: grpo.HyperParams (its clip_low/clip_high, dual_clip_c,
-    cispo_max, sapo_tau_pos/neg, gmpo_delta, cov_ratio, clip_cov_lb/ub, kl_cov_coef). Every one
-    takes the token ratio; 'clip' itself (on GSPO's sequence ratio too) is ppo_clip, called by grpo.policy_loss.
-    keep (n, C): the 80/20 mask (high_entropy_mask) or None. The caller multiplies a token's
-    loss by it, except GMPO's, whose geometric mean is taken over the kept tokens instead."""
+    """The per-token policy-gradient loss (n, C) of hp.policy_loss (OBJECTIVES), and where its
+    bounds bit (low, high), (n, C) bool each. Every one takes the token ratio; 'clip' itself (on
+    GSPO's sequence ratio too) is ppo_clip, called by grpo.policy_loss. keep (n, C): the 80/20
+    mask (high_entropy_mask) or None. The caller multiplies a token's loss by it, except GMPO's,
+    whose geometric mean is taken over the kept tokens instead."""
+    if hp.policy_loss not in OBJECTIVES:
+        raise ValueError(f"unknown --policy-loss {hp.policy_loss!r}; expected one of {POLICY_LOSSES}")
     ratio = token_ratio(logp, old_logp)                                          # (n, C)
-    if hp.policy_loss == "dual-clip":
-        return dual_clip(ratio, adv, hp.clip_low, hp.clip_high, hp.dual_clip_c)
-    if hp.policy_loss == "cispo":
-        return cispo(ratio, logp, adv, hp.cispo_max)
-    if hp.policy_loss == "sapo":
-        return sapo(ratio, adv, hp.sapo_tau_pos, hp.sapo_tau_neg)
-    if hp.policy_loss == "gmpo":
-        return gmpo(logp, old_logp, adv, mask if keep is None else keep, hp.gmpo_delta)
-    if hp.policy_loss == "clip-cov":
-        return clip_cov(ratio, logp, adv, mask, hp)
-    if hp.policy_loss == "kl-cov":
-        return kl_cov(ratio, logp, old_logp, adv, mask, hp)
-    raise ValueError(f"unknown --policy-loss {hp.policy_loss!r}; expected one of {POLICY_LOSSES}")
+    return OBJECTIVES[hp.policy_loss](ratio, logp, old_logp, adv, mask, keep, hp)

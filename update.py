@@ -28,12 +28,28 @@ all-reduces the gradients only in the last micro-batch's backward (one line, nan
 one process W = 1 and both do nothing.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 import kl
 from advantages import all_max, all_sum, world_size
+
+
+@dataclass
+class Knobs:
+    """The update's loop: epochs over a batch, its mini- and micro-batches, and its two brakes."""
+    epochs: int = field(default=1, metadata={"help": "passes over each batch", "min": 1})
+    mini_batch: int = field(default=0, metadata={"help": "sequences per optimizer step (over all ranks under "
+                            "torchrun; HyperParams holds this rank's share); 0 = all N (one step per epoch)", "min": 0})
+    micro_batch: int = field(default=0, metadata={"help": "sequences per forward/backward (gradient "
+                             "accumulation), per rank under torchrun; 0 = the whole mini-batch", "min": 0})
+    target_kl: float = field(default=0.0, metadata={"flag": False, "help": "stop an update's epochs once approx_kl passes this "
+                             "(CleanRL); 0 = off", "min": 0, "algos": ("grpo", "ppo")})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm; 0 = off", "min": 0})
+    fast: bool = field(default=False, metadata={"help": "the fast path: old log-probs from the update's own "
+                       "forward (GRPO, one update per batch), micro-batches sorted by length and cut to their "
+                       "longest sequence"})
 
 
 @dataclass
@@ -50,15 +66,17 @@ def minibatches(batch, hp, gen: torch.Generator):
     needs no order. hp.fast: each mini-batch is sorted by length before it is cut, so
     sequences of similar length share a forward and little of it is padding."""
     n = len(batch.completion_mask)
-    order = torch.randperm(n, generator=gen) if hp.mini_batch < n else torch.arange(n)
+    size = hp.mini_batch or n                    # 0: the whole batch
+    micro = hp.micro_batch or size               # 0: the whole mini-batch
+    order = torch.randperm(n, generator=gen) if size < n else torch.arange(n)
     lengths = batch.attention().sum(1) if hp.fast else None                      # (N,)
-    for start in range(0, n, hp.mini_batch):
-        mb = order[start:start + hp.mini_batch]
+    for start in range(0, n, size):
+        mb = order[start:start + size]
         if lengths is not None:
             mb = mb[torch.argsort(length_key(mb, lengths, hp.k if batch.share_prefix else 0),
                                   descending=True, stable=True)]
         seqs, tokens = all_sum(torch.tensor([len(mb), int(batch.completion_mask[mb].sum())])).tolist()
-        yield MiniBatch([mb[i:i + hp.micro_batch] for i in range(0, len(mb), hp.micro_batch)],
+        yield MiniBatch([mb[i:i + micro] for i in range(0, len(mb), micro)],
                         seqs / world_size(), max(tokens, 1) / world_size())
 
 
@@ -184,7 +202,7 @@ def update(scorer, optimizer, batch, hp, loss_fn) -> dict:
                 loss, sums = loss_fn(logp, entropy, values, rows, mb, hp)
                 loss.backward()
                 stats.add(loss.item(), sums, rows.mask)
-            grad_norm, nonfinite = optimizer_step(optimizer, hp.max_grad_norm, stats.whole_minibatch_loss())
+            grad_norm, nonfinite = optimizer_step(optimizer, hp.max_grad_norm or math.inf, stats.whole_minibatch_loss())
             stats.stepped(grad_norm, nonfinite)
         stats.end_epoch()
         if hp.target_kl > 0 and stats.mean("approx_kl") > hp.target_kl:
@@ -208,8 +226,10 @@ def policy_shift(scorer, batch, hp) -> float | None:
         return None
     total = torch.zeros(2, dtype=torch.float64)                                   # (sum k3, tokens)
     with torch.no_grad():
-        for start in range(0, len(batch.completion_mask), hp.micro_batch):
-            rows = batch.rows(torch.arange(start, min(start + hp.micro_batch, len(batch.completion_mask))))
+        n = len(batch.completion_mask)
+        step = hp.micro_batch or hp.mini_batch or n
+        for start in range(0, n, step):
+            rows = batch.rows(torch.arange(start, min(start + step, n)))
             logp, _, _ = scorer(rows.tokens, hp.temperature, False)                # (n, C)
             k3 = kl.estimate(rows.old_logp, logp, "k3") * rows.mask                # (n, C)
             total += torch.tensor([k3.sum().item(), rows.mask.sum().item()], dtype=torch.float64)

@@ -26,6 +26,8 @@ from running import checkpoint, config, distributed, evaluate, report
 if TYPE_CHECKING:
     from running.session import Run
 
+LOG_SAMPLES = 4               # completions per step written to samples.jsonl
+
 
 # ---- the run's memory ----
 
@@ -129,7 +131,7 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     run.metrics.write(row)
     if batch is not None:
         run.samples.write({"step": step, "split": "train", "samples": report.train_samples(
-            batch, outcomes, prompts, task, cfg.log_samples)})
+            batch, outcomes, prompts, task, LOG_SAMPLES)})
     full = [log.path.name for log in (run.metrics, run.samples) if log.full]
     if full and not state.stopped:          # stop now: the last good checkpoint stays, --resume redoes the step
         state.stopped = (f"the disk is full: a line of {full[0]} could not be written; --resume {run.out} once "
@@ -159,7 +161,7 @@ def say_once(run: Run, row: dict) -> None:
     step, cfg = row["step"], run.cfg
     if row.get("completions/clipped_ratio") == 1.0 and "all_clipped" not in run.said:
         run.said.add("all_clipped")
-        run.log(f"step {step}: every completion was cut at --max-new-tokens {config.new_tokens(cfg)} before it "
+        run.log(f"step {step}: every completion was cut at --max-new-tokens {cfg.new_tokens} before it "
                  f"ended (no EOS, no stop string): their rewards say little and the policy never learns to stop; "
                  f"raise --max-new-tokens (said once; completions/clipped_ratio in metrics.jsonl)")
     # the advantages, not the rewards, decide: under --norm global (K=1 too) or RCE's weights a

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 
-import advantages
-import kl
 import tasks
 from models import policy, pretrained
 from running import checkpoint, distributed
@@ -24,102 +22,69 @@ class ConfigError(ValueError):
     pass
 
 
-def validate(cfg):
-    """Check every flag before any work starts; raise ConfigError naming the flag."""
+def validate(cfg, lessons):
+    """Check every flag before any work starts; raise ConfigError naming the flag. First what
+    each field says of itself (a finite number, in its range), then each lesson's own checks
+    (its `problems`), then whether a flag is read at all (by this --algo, this --policy-loss,
+    with the knob it serves), then the run's own."""
+    for f in dataclasses.fields(cfg):
+        value, flag, meta = getattr(cfg, f.name), f.name.replace("_", "-"), f.metadata
+        if isinstance(value, float) and not math.isfinite(value):      # inf and nan pass every comparison
+            raise ConfigError(f"--{flag}: must be a finite number, got {value}")
+        lo, hi = meta.get("min"), meta.get("max")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = (f"in [{lo:g}, {hi:g}]" if lo is not None and hi is not None
+                      else f">= {lo:g}" if lo is not None else f"<= {hi:g}")
+            raise ConfigError(f"--{flag}: must be {bounds}, got {value:g}" + (
+                "" if lo is not None or hi < 100 else ": past it the run cannot mean anything (float32 overflows)"))
+    for lesson in lessons:
+        for flag, why in getattr(lesson, "problems", lambda cfg: ())(cfg):
+            raise ConfigError(f"--{flag.replace('_', '-')}: {why}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for f in dataclasses.fields(cfg):
+        value, flag, meta = getattr(cfg, f.name), f.name.replace("_", "-"), f.metadata
+        algos, changed = meta.get("algos"), value != f.default
+        if changed and algos and cfg.algo not in algos:            # a flag acts in every algorithm that accepts it
+            raise ConfigError(f"--{flag}: only --algo {listed(algos)} {'uses' if len(algos) == 1 else 'use'} "
+                              f"it; --algo {cfg.algo} would ignore it (leave it at {f.default!r})")
+        objectives = meta.get("objective")
+        if changed and objectives and cfg.policy_loss not in objectives:
+            raise ConfigError(f"--{flag}: only --policy-loss {listed(objectives)} "
+                              f"{'reads' if len(objectives) == 1 else 'read'} it; --policy-loss {cfg.policy_loss} "
+                              f"would ignore it")
+        needs = meta.get("needs")
+        if changed and needs and getattr(cfg, needs) == defaults[needs]:
+            raise ConfigError(f"--{flag}: only --{needs.replace('_', '-')} reads it; give it too")
+    return run_problems(cfg)
+
+
+def listed(names) -> str:
+    """('a', 'b', 'c') -> 'a, b and c'."""
+    return " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def run_problems(cfg):
+    """The run's own flags: the task, the batch over the ranks, the model, the folders."""
     def need(ok, flag, what):
         if not ok:
             raise ConfigError(f"--{flag}: {what}")
-    for f in dataclasses.fields(cfg):           # inf and nan pass every comparison below
-        value = getattr(cfg, f.name)
-        need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
-             f"must be a finite number, got {value}")
-    need(0 <= cfg.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}], got {cfg.seed}")
-    need(0 <= cfg.sft_seed <= MAX_SEED, "sft-seed", f"must be in [0, {MAX_SEED}], got {cfg.sft_seed}")
-    need(cfg.sft_lr >= 0, "sft-lr", f"must be > 0 (or 0 = the default), got {cfg.sft_lr}")
-    problem = advantages.group_size_problem(cfg.k, cfg.norm)       # the estimator's own rule
-    need(not problem, "k", problem)
-    need(cfg.algo != "rce" or cfg.k >= 2, "k", f"--algo rce weighs the K samples of a prompt against each "
-         f"other and needs --k >= 2, got {cfg.k}")
-    need(cfg.algo != "rce" or (cfg.beta == 0 and cfg.kl_control == "fixed"), "beta",
-         "--algo rce has no KL term (rce.py); leave --beta at 0 and --kl-control fixed")
-    need(cfg.ratio_level == "token" or cfg.algo == "grpo", "ratio-level",
-         f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} "
-         + ("has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)"))
-    for name, algos in USED_BY.items():            # a flag acts in every algorithm that accepts it
-        default = default_of(cfg, name)
-        need(cfg.algo in algos or getattr(cfg, name) == default, name.replace("_", "-"),
-             f"only --algo {' and '.join(algos)} {'uses' if len(algos) == 1 else 'use'} it; --algo {cfg.algo} "
-             f"would ignore it (leave it at {default!r})")
-    need(not cfg.dynamic_sampling or cfg.algo == "grpo", "dynamic-sampling",
-         f"drops the groups a group baseline gives advantage 0; --algo {cfg.algo} "
-         + ("gives every token a baseline from its critic" if cfg.algo == "ppo" else "imitates them instead"))
-    need(not cfg.dynamic_sampling or cfg.k >= 2, "dynamic-sampling", f"compares the K rewards of a group and "
-         f"needs --k >= 2, got {cfg.k}")
     need(not cfg.dynamic_sampling or not distributed.launched(), "dynamic-sampling",
          "not under torchrun: ranks would sample different numbers of rounds (dynamic_sampling.py)")
-    need(cfg.max_sampling_rounds >= 1, "max-sampling-rounds", f"must be >= 1, got {cfg.max_sampling_rounds}")
-    need(cfg.max_sampling_seconds > 0, "max-sampling-seconds", f"must be > 0, got {cfg.max_sampling_seconds}")
-    need(cfg.rce_temp_start > 0, "rce-temp-start", f"must be > 0, got {cfg.rce_temp_start}")
-    need(cfg.rce_temp_end > 0, "rce-temp-end", f"must be > 0, got {cfg.rce_temp_end}")
-    need(cfg.reward != "composite" or cfg.task == "dsl", "reward",
-         f"composite is report 003's reward written for the dsl task, not --task {cfg.task}")
-    need(cfg.reward not in ("sparse", "format") or cfg.task == "tools", "reward",
-         f"{cfg.reward} is a reward of the tools task; the dsl task takes shaped (the default) or composite")
-    need(cfg.early_stop_patience >= 0, "early-stop-patience", f"must be >= 0 (0 = off), got {cfg.early_stop_patience}")
-    need(cfg.batch >= 1, "batch", f"must be >= 1, got {cfg.batch}")
     ranks = distributed.size()                      # torchrun's WORLD_SIZE; 1 for python train.py
     need(cfg.batch % ranks == 0, "batch", f"{cfg.batch} prompts per step do not split over {ranks} ranks "
          f"(torchrun's processes); give a multiple of {ranks}")
-    need(cfg.steps >= 1, "steps", f"must be >= 1, got {cfg.steps}")
-    need(0 <= cfg.threads <= 1024, "threads", f"must be 0 (the default) or a thread count, got {cfg.threads}")
-    need(cfg.lr >= 0, "lr", f"must be > 0 (or 0 = the default), got {cfg.lr}")
-    cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
-    policy_loss_checks(cfg, need)
-    range_checks(cfg, need)
     need(not cfg.tensorboard or has_tensorboard(), "tensorboard",
          "needs the tensorboard package, an optional dependency: pip install tensorboard==2.21.0")
-    need(0 <= cfg.clip_eps < 1, "clip-eps", f"must be in [0, 1), got {cfg.clip_eps}")
-    need(0 <= cfg.clip_eps_high <= 100, "clip-eps-high", f"must be in [0, 100] (0 = --clip-eps), got {cfg.clip_eps_high}")
-    need(cfg.adv_clip >= 0, "adv-clip", f"must be >= 0 (0 = off), got {cfg.adv_clip}")
-    need(cfg.beta >= 0, "beta", f"must be >= 0, got {cfg.beta}")
-    need(cfg.entropy_coef >= 0, "entropy-coef", f"must be >= 0, got {cfg.entropy_coef}")
-    need(cfg.epochs >= 1, "epochs", f"must be >= 1, got {cfg.epochs}")
-    need(cfg.mini_batch >= 0 and (cfg.mini_batch == 0 or cfg.n % cfg.mini_batch == 0), "mini-batch",
+    cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)
+    need(0 <= cfg.min_lr <= cfg.lr, "min-lr", f"must be in [0, --lr], got {cfg.min_lr}")
+    need(0 <= cfg.warmup_steps < cfg.steps, "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}")
+    need(cfg.mini_batch == 0 or cfg.n % cfg.mini_batch == 0, "mini-batch",
          f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}")
     need(cfg.mini_batch % ranks == 0, "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}")
     mini = (cfg.mini_batch or cfg.n) // ranks
-    need(cfg.micro_batch >= 0 and (cfg.micro_batch == 0 or mini % cfg.micro_batch == 0), "micro-batch",
+    need(cfg.micro_batch == 0 or mini % cfg.micro_batch == 0, "micro-batch",
          f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) (or be 0), "
          f"got {cfg.micro_batch}")
-    need(cfg.target_kl >= 0, "target-kl", f"must be >= 0 (0 = off), got {cfg.target_kl}")
-    need(0 <= cfg.min_lr <= cfg.lr, "min-lr", f"must be in [0, --lr], got {cfg.min_lr}")
-    need(0 <= cfg.warmup_steps < cfg.steps, "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}")
-    need(cfg.entropy_coef_end == -1 or cfg.entropy_coef_end >= 0, "entropy-coef-end",
-         f"must be >= 0 (or -1 = no decay), got {cfg.entropy_coef_end}")
-    need(cfg.kl_control == "fixed" or cfg.beta > 0, "kl-coef",
-         f"adaptive --kl-control {cfg.kl_control} needs a starting --kl-coef > 0")
-    lo, hi = kl.KLController.CLAMP[cfg.kl_control]
-    need(cfg.kl_control == "fixed" or lo <= cfg.beta <= hi, "kl-coef",
-         f"--kl-control {cfg.kl_control} keeps beta in [{lo}, {hi}]; a starting --kl-coef {cfg.beta} is outside it")
-    need(cfg.kl_target > 0, "kl-target", f"must be > 0, got {cfg.kl_target}")
-    need(cfg.kl_horizon > 0, "kl-horizon", f"must be > 0, got {cfg.kl_horizon}")
-    # Ziegler's beta *= 1 + e * N / horizon with e down to -0.2 turns beta negative unless horizon > 0.2 N
-    need(cfg.kl_control != "proportional" or cfg.kl_horizon > 0.2 * cfg.n, "kl-horizon",
-         f"must be above 0.2 * N = {0.2 * cfg.n:g} (N = --batch x --k): the step beta *= 1 + e * N / horizon, "
-         f"e down to -0.2, would turn beta negative; got {cfg.kl_horizon:g}")
-    need(0 < cfg.kl_target_min < cfg.kl_target_max, "kl-target-min",
-         f"need 0 < --kl-target-min < --kl-target-max, got {cfg.kl_target_min} and {cfg.kl_target_max}")
-    need(cfg.critic_lr >= 0, "critic-lr", f"must be > 0 (or 0 = --lr), got {cfg.critic_lr}")
-    for flag, given in (("critic", cfg.critic != "shared"), ("critic-lr", cfg.critic_lr > 0)):
-        need(cfg.algo == "ppo" or not given, flag, f"PPO's critic; --algo {cfg.algo} has none")
-    need(cfg.vf_coef >= 0, "vf-coef", f"must be >= 0, got {cfg.vf_coef}")
-    need(0 <= cfg.value_clip <= 1e6, "value-clip", f"must be in [0, 1e6] (0 = off), got {cfg.value_clip}")
-    need(0 <= cfg.gamma <= 1, "gamma", f"must be in [0, 1], got {cfg.gamma}")
-    need(0 <= cfg.lam <= 1, "lam", f"must be in [0, 1], got {cfg.lam}")
-    need(cfg.max_grad_norm >= 0, "max-grad-norm", f"must be >= 0 (0 = off), got {cfg.max_grad_norm}")
-    need(1e-3 <= cfg.temperature <= 1e3, "temperature", f"must be in [0.001, 1000] (logits / T overflow "
-         f"float32 past it), got {cfg.temperature}")
-    need(cfg.max_turns >= 1, "max-turns", f"must be >= 1, got {cfg.max_turns}")
     top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
     need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
          f"{cfg.difficulty}" if top > 1 else f"--task {cfg.task} has one difficulty (1), got {cfg.difficulty}")
@@ -130,28 +95,12 @@ def validate(cfg):
     need(0 <= cfg.sft_difficulty <= top, "sft-difficulty", f"must be in [1, {top}] for --task {cfg.task} (or 0 = "
          f"--difficulty), got {cfg.sft_difficulty}")
     cfg.sft_difficulty = cfg.sft_difficulty or cfg.difficulty
-    need(cfg.reward_clip >= 0, "reward-clip", f"must be >= 0 (0 = off), got {cfg.reward_clip}")
-    need(cfg.max_new_tokens >= 0, "max-new-tokens", f"must be >= 1 (or 0 = the default), got {cfg.max_new_tokens}")
-    need(cfg.eval_every >= 1, "eval-every", f"must be >= 1, got {cfg.eval_every}")
-    need(cfg.eval_samples >= 1, "eval-samples", f"must be >= 1, got {cfg.eval_samples}")
-    need(cfg.eval_prompts >= 0, "eval-prompts", f"must be >= 1 (or 0 = all), got {cfg.eval_prompts}")
     need(cfg.hidden >= 4 and cfg.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {cfg.hidden}")
-    need(cfg.layers >= 1, "layers", f"must be >= 1, got {cfg.layers}")
-    need(cfg.sft_steps >= -1, "sft-steps", f"must be >= 0 (or -1 = auto), got {cfg.sft_steps}")
-    need(cfg.save_every >= 0, "save-every", f"must be >= 0 (0 = off), got {cfg.save_every}")
-    need(cfg.keep_checkpoints >= 0, "keep-checkpoints", f"must be >= 0 (0 = all), got {cfg.keep_checkpoints}")
-    need(cfg.max_skips >= 0, "max-skips", f"must be >= 0, got {cfg.max_skips}")
-    need(cfg.collective_timeout > 0, "collective-timeout", f"must be > 0 seconds, got {cfg.collective_timeout}")
-    need(cfg.alert_entropy >= 0, "alert-entropy", f"must be >= 0, got {cfg.alert_entropy}")
-    need(cfg.alert_kl > 0, "alert-kl", f"must be > 0, got {cfg.alert_kl}")
-    need(cfg.alert_reward_range > 0, "alert-reward-range", f"must be > 0, got {cfg.alert_reward_range}")
-    need(cfg.alert_window >= 2, "alert-window", f"must be >= 2, got {cfg.alert_window}")
     need(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
-    need(not cfg.compile or (cfg.device != "cpu" and torch.cuda.is_available()), "compile",
-         "needs a GPU (--device auto or cuda, with CUDA visible)")
     if cfg.model in pretrained.NAMED:
-        cfg.model_cache = cfg.model_cache or str(pretrained.default_cache())
-        need(writable(Path(cfg.model_cache)), "model-cache", f"cannot create or write to the folder {cfg.model_cache!r}")
+        cache = pretrained.default_cache()
+        need(writable(cache), "model", f"cannot create or write to the folder {str(cache)!r} where {cfg.model} is "
+             f"cached ($RL_LESSONS_CACHE)")
     elif cfg.model:
         problem = validate_model(cfg.model)
         need(not problem, "model", f"{cfg.model!r}: {problem}")
@@ -184,146 +133,6 @@ def validate(cfg):
     return cfg
 
 
-# Flags that only some algorithms read (the step of another would silently ignore them): set
-# to anything but their default with another --algo, they are refused. --ratio-level,
-# --dynamic-sampling, --critic, --critic-lr and RCE's --beta have checks of their own above,
-# which say why; --kl-estimator and --kl-in act only with --beta > 0, which RCE refuses.
-# each 2025-26 objective's own knob, and the objective that reads it (surrogates.py)
-KNOB_OF = {"dual_clip_c": ("dual-clip",), "cispo_max": ("cispo",), "sapo_tau_pos": ("sapo",),
-           "sapo_tau_neg": ("sapo",), "gmpo_delta": ("gmpo",), "cov_ratio": ("clip-cov", "kl-cov"),
-           "kl_cov_coef": ("kl-cov",)}
-
-
-def new_tokens(cfg) -> int:
-    """--max-new-tokens, 0 resolved: a real tokenizer spends more tokens on a tool call."""
-    return cfg.max_new_tokens or (64 if cfg.model and cfg.task == "tools" else 24)
-
-
-def completion_limit(cfg) -> int:
-    """The longest completion in policy tokens: one turn's limit, times the turns of a tool
-    episode (one more per benchmark beyond the first)."""
-    return new_tokens(cfg) * (cfg.max_turns + cfg.difficulty - 1 if cfg.task == "tools" else 1)
-
-
-# Values past which a run cannot mean anything: each passed the sign checks, made every step
-# non-finite (exp or a product overflowing float32) or exhausted memory, and the run said "done".
-# flag -> (lowest, highest), either None for no bound; 0 stays allowed where it means "off" or
-# "the default" (below). The bounds are far outside any setting the anchors or the reports use.
-RANGES = {"beta": (None, 100.0), "entropy_coef": (None, 100.0), "vf_coef": (None, 100.0),
-          "kl_cov_coef": (None, 100.0), "entropy_coef_max": (None, 100.0), "entropy_coef_delta": (None, 100.0),
-          "sapo_tau_pos": (1e-3, 1e3), "sapo_tau_neg": (1e-3, 1e3), "gmpo_delta": (None, 20.0),
-          "cispo_max": (1.0, 1e4), "dual_clip_c": (None, 1e4), "rollout_c_max": (None, 1e4),
-          "rce_temp_start": (1e-3, 1e3), "rce_temp_end": (1e-3, 1e3),
-          "rollout_temperature": (1e-3, 1e3), "collective_timeout": (1.0, 86400.0),
-          "k": (None, 4096), "batch": (None, 4096), "hidden": (None, 8192), "layers": (None, 256),
-          "eval_samples": (None, 1000), "log_samples": (0, 100000), "rollout_stale": (None, 64)}
-ZERO_MEANS_DEFAULT = ("rollout_temperature",)
-
-
-def range_checks(cfg, need) -> None:
-    """RANGES, and --rollout-stale below --steps (a sampler never staler than the run is long)."""
-    for name, (lo, hi) in RANGES.items():
-        value = getattr(cfg, name)
-        if value == 0 and name in ZERO_MEANS_DEFAULT:
-            continue
-        need((lo is None or value >= lo) and (hi is None or value <= hi), name.replace("_", "-"),
-             f"must be in [{'...' if lo is None else f'{lo:g}'}, {hi:g}], got {value:g}: past it the run "
-             f"cannot mean anything (float32 overflows, or memory runs out)"
-             if name != "cispo_max" else f"must be in [1, {hi:g}] (the cap is on the ratio, which is 1 "
-             f"on-policy; below 1 it scales every token's gradient down), got {value:g}")
-    need(cfg.rollout_stale < cfg.steps, "rollout-stale", f"{cfg.rollout_stale} updates old can never be "
-         f"reached in a run of --steps {cfg.steps} (and each step would keep a copy of the weights)")
-
-
-def policy_loss_checks(cfg, need) -> None:
-    """--policy-loss and its knobs: positive values; a knob only with its objective; the
-    objectives that take a token ratio not with GSPO's sequence ratio; GMPO's one weight per
-    sequence not with PPO's per-token advantages."""
-    for name, losses in KNOB_OF.items():
-        flag, value = name.replace("_", "-"), getattr(cfg, name)
-        default = default_of(cfg, name)
-        need(value > (1 if name == "dual_clip_c" else 0), flag,
-             f"must be > {1 if name == 'dual_clip_c' else 0}, got {value}")
-        need(cfg.policy_loss in losses or value == default, flag,
-             f"only --policy-loss {' and '.join(losses)} {'reads' if len(losses) == 1 else 'read'} it; "
-             f"--policy-loss {cfg.policy_loss} would ignore it")
-    need(cfg.cov_ratio <= 1, "cov-ratio", f"is a share of the tokens, at most 1, got {cfg.cov_ratio}")
-    for name in ("clip_cov_lb", "clip_cov_ub"):
-        default = default_of(cfg, name)
-        need(cfg.policy_loss == "clip-cov" or getattr(cfg, name) == default, name.replace("_", "-"),
-             f"only --policy-loss clip-cov reads it; --policy-loss {cfg.policy_loss} would ignore it")
-    need(cfg.clip_cov_lb < cfg.clip_cov_ub, "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), "
-         f"got {cfg.clip_cov_lb}: no token could be chosen")
-    need(cfg.overlong_buffer == 0 or 0 < cfg.overlong_buffer < completion_limit(cfg), "overlong-buffer",
-         f"must be in [0, the completion limit {completion_limit(cfg)}) (0 = off), got {cfg.overlong_buffer}")
-    entropy_control_checks(cfg, need)
-    mismatch_checks(cfg, need)
-    need(0 < cfg.top_entropy_quantile <= 1, "top-entropy-quantile",
-         f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}")
-    need(cfg.policy_loss == "clip" or cfg.ratio_level == "token", "policy-loss",
-         f"{cfg.policy_loss} weighs each token by its own ratio; --ratio-level sequence is GSPO's clip, "
-         f"not a ratio the others take")
-    knob = "/--".join(name.replace("_", "-") for name, losses in KNOB_OF.items() if cfg.policy_loss in losses)
-    for name in ("clip_eps", "clip_eps_high"):
-        default = default_of(cfg, name)
-        need(cfg.policy_loss in ("clip", "dual-clip", "clip-cov") or getattr(cfg, name) == default, name.replace("_", "-"),
-             f"bounds PPO's clip; --policy-loss {cfg.policy_loss} has its own knob (--{knob})")
-    need(cfg.policy_loss != "gmpo" or cfg.algo == "grpo", "policy-loss",
-         f"gmpo weighs a sequence by one advantage; --algo {cfg.algo} gives "
-         + ("one per token (GAE)" if cfg.algo == "ppo" else "no ratio at all"))
-
-
-def default_of(cfg, name: str):
-    """The default of a configuration field (what the command line gives when the flag is absent)."""
-    return next(f.default for f in dataclasses.fields(cfg) if f.name == name)
-
-
-def entropy_control_checks(cfg, need) -> None:
-    """--entropy-target and its knobs: non-negative values; the knobs only with a target; no
-    decay schedule with it (both would set the same weight)."""
-    need(cfg.entropy_target >= 0, "entropy-target", f"must be >= 0 (0 = off), got {cfg.entropy_target}")
-    need(cfg.entropy_coef_delta > 0, "entropy-coef-delta", f"must be > 0, got {cfg.entropy_coef_delta}")
-    need(cfg.entropy_target == 0 or cfg.entropy_coef_max >= cfg.entropy_coef, "entropy-coef-max",
-         f"must be >= --entropy-coef {cfg.entropy_coef}, got {cfg.entropy_coef_max}")
-    for name in ("entropy_coef_delta", "entropy_coef_max"):
-        need(cfg.entropy_target > 0 or getattr(cfg, name) == default_of(cfg, name), name.replace("_", "-"),
-             "only adaptive entropy control reads it; give --entropy-target too")
-    need(cfg.entropy_target == 0 or cfg.entropy_coef_end == -1, "entropy-coef-end",
-         "a decay schedule and --entropy-target would both set the bonus's weight; give one")
-
-
-def mismatch_checks(cfg, need) -> None:
-    """The rollout/training mismatch's flags: sane values; a correction's knobs only with it;
-    the sampler's log-probs only where they are recorded (the single-turn task)."""
-    need(cfg.rollout_stale >= 0, "rollout-stale", f"must be >= 0 updates, got {cfg.rollout_stale}")
-    need(cfg.rollout_temperature >= 0, "rollout-temperature", f"must be >= 0 (0 = --temperature), got "
-         f"{cfg.rollout_temperature}")
-    need(cfg.rollout_c_max > 1, "rollout-c-max", f"must be > 1 (a weight of 1 is on-policy), got {cfg.rollout_c_max}")
-    need(0 < cfg.rollout_c_min < 1, "rollout-c-min", f"must be in (0, 1), got {cfg.rollout_c_min}")
-    for name in ("rollout_correction_level", "rollout_c_min", "rollout_c_max"):
-        default = default_of(cfg, name)
-        need(cfg.rollout_correction != "none" or getattr(cfg, name) == default, name.replace("_", "-"),
-             "only --rollout-correction tis or mis reads it")
-    need(cfg.rollout_correction == "mis" or cfg.rollout_c_min == default_of(cfg, "rollout_c_min"), "rollout-c-min",
-         f"only --rollout-correction mis drops tokens below a floor; {cfg.rollout_correction} would ignore it")
-    need(cfg.task != "tools" or not cfg.rollout_logprobs, "task",
-         "the tool task's multi-turn episodes do not record the sampler's log-probs that --rollout-*/--log-mismatch "
-         "need (mismatch.py is built for --task dsl)")
-
-
-USED_BY = {
-    "norm": ("grpo",), "unbiased": ("grpo",), "adv_clip": ("grpo",),     # GRPO's advantages; PPO: GAE
-    "clip_eps": ("grpo", "ppo"), "clip_eps_high": ("grpo", "ppo"),        # RCE has no ratio
-    "policy_loss": ("grpo", "ppo"), "top_entropy_quantile": ("grpo", "ppo"), "overlong_buffer": ("grpo",),
-    "entropy_target": ("grpo", "ppo"), "mask_truncated": ("grpo", "ppo"),
-    "rollout_correction": ("grpo", "ppo"),                                # RCE has no ratio to correct
-    "loss_agg": ("grpo", "ppo"), "target_kl": ("grpo", "ppo"),            # RCE: its own mean, no approx_kl
-    "entropy_coef": ("grpo", "ppo"), "entropy_coef_end": ("grpo", "ppo"), # RCE's loss has no entropy term
-    "gamma": ("ppo",), "lam": ("ppo",), "vf_coef": ("ppo",), "value_clip": ("ppo",),   # the critic's
-    "rce_temp_start": ("rce",), "rce_temp_end": ("rce",),
-}
-
-
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
              "tensorboard")
 
@@ -339,7 +148,6 @@ def holds_run(folder: Path) -> str | None:
     return ", ".join(found) or None
 
 
-MAX_SEED = 2 ** 32 - 1          # seed * 100003 + step must stay inside a torch.Generator's 64 bits
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
            "pytorch_model.bin.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

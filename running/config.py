@@ -17,41 +17,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import advantages
-from running import checkpoint
-from running import distributed
+import dynamic_sampling
+import entropy_control
 import grpo
 import kl
 import mismatch
+import monitor
 import ppo
 import rce
-from running import schedules
+import rewards
+import rollout
 import surrogates
-from running import checks
-from running.checks import ConfigError, default_out, saved_fields, validate  # noqa: F401 (default_out: for importers)
-from running.checks import completion_limit, new_tokens  # noqa: F401 (new_tokens: for importers)
 import tasks
+import update
+from running import checkpoint, checks, distributed, schedules
+from running.checks import ConfigError, default_out, saved_fields  # noqa: F401 (default_out: for importers)
 
 
 def opt(default, help, **kw):
     return field(default=default, metadata=dict(help=help, **kw))
 
 
-# The update's defaults are written once, in the lessons' typed objects; the flags below
-# that set them take their defaults from there (GRPO.k, PPO.lam, ...).
-GRPO, PPO = grpo.HyperParams, ppo.PPOParams
-
-
 @dataclass
-class Config:
+class Run:
+    """The run's own flags: the task, the algorithm, the batch and the schedule, and the machinery
+    around the lessons (evaluation, output, checkpoints, the model and the machine)."""
     task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tasks/tool_task.py)",
                     choices=tuple(tasks.TASKS))
-    reward: str = opt("shaped", "tools task: sparse +-1, report 000's shaped reward, or the format reward; "
-                      "dsl task: shaped (report 001's 1 / 0.2 / 0) or composite (report 003's: rewards.py)",
-                      choices=("sparse", "shaped", "format", "composite"))
-    reward_clip: float = opt(0.0, "tools task: clamp the shaped reward to [-c, c]; 0 = off")
-    drop_process_reward: bool = opt(False, "tools task: leave the tool's process reward out (report 000's bug)")
     max_turns: int = opt(3, "tools task: policy turns per episode (--max-new-tokens each), one more per "
-                         "benchmark beyond the first (--difficulty)")
+                         "benchmark beyond the first (--difficulty)", min=1, flag=False)
     difficulty: int = opt(1, "tools task: benchmarks each episode asks about (1 to 3); the answer must report "
                           "every one's setting and value (report 000's long ground truth)")
     curriculum: bool = opt(False, "tools task: train from difficulty 1 up to --difficulty in equal phases "
@@ -59,164 +53,70 @@ class Config:
                            "stays at --difficulty")
     algo: str = opt("grpo", "the algorithm: GRPO (no critic), PPO (value head + GAE) or RCE (report 003's "
                     "reward-weighted cross-entropy: rce.py)", choices=("grpo", "ppo", "rce"))
-    rce_temp_start: float = opt(1.7, "RCE: softmax temperature tau of the reward weights at the first step")
-    rce_temp_end: float = opt(0.5, "RCE: tau at the last step, linear in between (report 003: 1.7 -> 0.5)")
-    # the batch
-    k: int = opt(GRPO.k, "samples per prompt (K); group norms need K >= 2")
-    batch: int = opt(8, "prompts per step (B); N = B*K sequences per step")
-    norm: str = opt(GRPO.norm, "advantage estimator", choices=advantages.NORMS)
-    unbiased: bool = opt(GRPO.unbiased, "Bessel-corrected std in the advantage (TRL/verl habit; K=2 -> ±0.71)")
-    adv_clip: float = opt(0.0, "clamp advantages to [-c, c]; 0 = off")
-    # the update
-    steps: int = opt(150, "training steps (one batch of rollouts each)")
+    batch: int = opt(8, "prompts per step (B); N = B*K sequences per step", min=1, max=4096)
+    steps: int = opt(150, "training steps (one batch of rollouts each)", min=1)
     lr: float = opt(0.0, "AdamW learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
-                    "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)")
-    clip_eps: float = opt(GRPO.clip_low, "PPO clip range: ratio kept in [1-eps, 1+eps_high]")
-    clip_eps_high: float = opt(0.0, "upper clip range (DAPO's clip-higher); 0 = same as --clip-eps")
-    ratio_level: str = opt(GRPO.ratio_level, "the importance ratio: per token (PPO, GRPO) or per sequence (GSPO: the "
-                           "geometric mean of its token ratios; then, unless given, its paper's --clip-eps "
-                           "3e-4 --clip-eps-high 4e-4 --loss-agg seq-mean-token-mean)", choices=grpo.RATIO_LEVELS)
-    policy_loss: str = opt(GRPO.policy_loss, "the policy-gradient objective: PPO's clip, or a 2025-26 one in its "
-                           "place: dual-clip, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov (surrogates.py)", choices=surrogates.POLICY_LOSSES)
-    dual_clip_c: float = opt(GRPO.dual_clip_c, "--policy-loss dual-clip: a negative-advantage token's loss at most -c*A (c > 1)")
-    cispo_max: float = opt(GRPO.cispo_max, "--policy-loss cispo: the cap of the stopped importance weight (> 0)")
-    sapo_tau_pos: float = opt(GRPO.sapo_tau_pos, "--policy-loss sapo: the gate's temperature for A > 0 (> 0)")
-    sapo_tau_neg: float = opt(GRPO.sapo_tau_neg, "--policy-loss sapo: the gate's temperature for A < 0 (> 0)")
-    gmpo_delta: float = opt(GRPO.gmpo_delta, "--policy-loss gmpo: each token's log-ratio clipped to [-delta, delta] "
-                            "(> 0); unless given, --loss-agg seq-mean-token-mean")
-    cov_ratio: float = opt(GRPO.cov_ratio, "--policy-loss clip-cov / kl-cov: the share of tokens, by covariance of "
-                           "advantage and log-prob, they detach / penalise (> 0, <= 1)")
-    clip_cov_lb: float = opt(GRPO.clip_cov_lb, "--policy-loss clip-cov: a candidate's covariance above this ...")
-    clip_cov_ub: float = opt(GRPO.clip_cov_ub, "--policy-loss clip-cov: ... and below this")
-    kl_cov_coef: float = opt(GRPO.kl_cov_coef, "--policy-loss kl-cov: the weight of |log ratio| on the chosen tokens (> 0)")
-    top_entropy_quantile: float = opt(GRPO.top_entropy_quantile, "the policy-gradient loss only on the tokens whose "
-                                      "entropy is in this top share (0, 1] of a micro-batch's (0.2: the 80/20 rule; TRL's name)")
-    overlong_buffer: int = opt(GRPO.overlong_buffer, "DAPO's overlong shaping: a completion longer than the token "
-                               "limit minus this many tokens loses up to 1 reward, linearly (rewards.overlong_penalty); 0 = off")
+                    "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)", min=0)
     lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
-    min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step")
+    min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step", flag=False)
     warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
-    entropy_coef: float = opt(GRPO.entropy_coef, "entropy bonus weight (at the first step)")
-    entropy_coef_end: float = opt(-1.0, "entropy bonus at the last step, linear in between; -1 = no decay")
-    entropy_target: float = opt(0.0, "adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the bonus "
-                                "applies while the token entropy is at or below this, its weight moving from "
-                                "--entropy-coef by --entropy-coef-delta a step (entropy_control.py); 0 = off")
-    entropy_coef_delta: float = opt(0.005, "--entropy-target: how far the bonus's weight moves per step (> 0)")
-    entropy_coef_max: float = opt(1.0, "--entropy-target: the bonus's weight never rises above this")
-    # the rollout/training mismatch (mismatch.py)
-    rollout_dtype: str = opt("same", "sample from a copy of the policy in this dtype (bf16: as vLLM does); same = "
-                             "the policy itself", choices=("same", *mismatch.DTYPES))
-    rollout_stale: int = opt(0, "sample from the policy's weights of this many updates ago (asynchronous rollouts)")
-    rollout_temperature: float = opt(0.0, "sample at this temperature while training scores at --temperature; "
-                                     "0 = the same")
-    rollout_correction: str = opt("none", "correct the mismatch: tis (truncated IS, min(w, C_max)) or mis "
-                                  "(masked IS / ICEPOP: w outside [C_min, C_max] drops its token), "
-                                  "w = pi_old / pi_sampler", choices=mismatch.CORRECTIONS)
-    rollout_correction_level: str = opt("token", "the correction's weight per token, or per sequence (the "
-                                        "geometric mean of its tokens')", choices=mismatch.LEVELS)
-    rollout_c_min: float = opt(GRPO.rollout_c_min, "--rollout-correction mis: a weight below this drops its token")
-    rollout_c_max: float = opt(GRPO.rollout_c_max, "--rollout-correction tis: the cap; mis: a weight above this "
-                               "drops its token (> 1)")
-    log_mismatch: bool = opt(False, "record the sampler's log-probs and log the mismatch (sampling/*) even "
-                             "with no mismatch made (the null: float rounding alone)")
-    mask_truncated: bool = opt(False, "DAPO's overlong filtering: completions cut at the token limit (no EOS) are "
-                               "left out of the loss (TRL's mask_truncated_completions)")
-    loss_agg: str = opt(GRPO.loss_agg, "how per-token losses are averaged", choices=grpo.AGGREGATIONS)
-    epochs: int = opt(GRPO.epochs, "passes over each batch")
-    mini_batch: int = opt(0, "sequences per optimizer step (over all ranks under torchrun); 0 = all N "
-                             "(one step per epoch)")
-    micro_batch: int = opt(0, "sequences per forward/backward (gradient accumulation), per rank under "
-                              "torchrun; 0 = the whole mini-batch (this rank's share of it)")
-    target_kl: float = opt(GRPO.target_kl, "stop an update's epochs once approx_kl passes this (CleanRL); 0 = off")
-    max_grad_norm: float = opt(1.0, "clip the global gradient norm; 0 = off")
-    fast: bool = opt(GRPO.fast, "the fast path: old log-probs from the update's own forward (GRPO, one update "
-                            "per batch), micro-batches sorted by length and cut to their longest sequence")
-    compile: bool = opt(False, "CUDA: generate with a static KV cache that torch.compile specialises on")
-    no_shared_prefix: bool = opt(False, "encode a group's prompt once per sequence, as a plain forward does, "
-                                 "not once per group (shared_prefix.py: the same numbers, for comparison)")
-    # KL to the reference (kl.py)
-    beta: float = opt(GRPO.beta, "KL coefficient (at the start, if adaptive); 0 with fixed control = no reference model",
-                      aliases=("--kl-coef",))
-    kl_control: str = opt("fixed", "how beta moves: fixed, ratio (report 002), range (report 003's code: x1.5 / "
-                                   "/1.5 on the update's KL between old and new policy) or proportional (Ziegler et al., as "
-                                   "TRL/verl/OpenRLHF)", choices=kl.CONTROLS)
-    kl_target: float = opt(0.01, "ratio and proportional control: the KL target")
-    kl_horizon: float = opt(10000.0, "proportional control: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon")
-    kl_target_min: float = opt(0.01, "range control: lower beta below this KL")
-    kl_target_max: float = opt(0.1, "range control: raise beta above this KL")
-    kl_estimator: str = opt("auto", "per-token KL estimator; auto = k1 in the reward, k3 in the loss (kl.py: "
-                            "in the reward k3's pull nearly cancels)", choices=("auto", *kl.ESTIMATORS))
-    kl_in: str = opt("auto", "where the KL goes: loss (GRPO's habit), reward (PPO's); auto = by --algo",
-                     choices=("auto", "loss", "reward"))
-    # PPO's critic (ppo.py)
-    critic: str = opt("shared", "PPO: a value head on the policy's trunk (shared), or a network of its own "
-                      "initialised from the policy (separate, as report 000, verl, OpenRLHF)",
-                      choices=("shared", "separate"))
-    critic_lr: float = opt(0.0, "PPO: the critic's learning rate (value head, and with --critic separate its "
-                                "trunk); 0 = --lr; report 000 used 10x the actor's")
-    vf_coef: float = opt(PPO.vf_coef, "PPO: weight of the value loss")
-    value_clip: float = opt(PPO.value_clip, "PPO: value-loss clip range around the old values; 0 = unclipped")
-    gamma: float = opt(PPO.gamma, "PPO: discount per token")
-    lam: float = opt(PPO.lam, "PPO: GAE lambda")
-    dynamic_sampling: bool = opt(False, "DAPO's dynamic sampling: drop groups whose K rewards are all equal "
-                                 "and sample more prompts until B groups differ (dynamic_sampling.py)")
-    max_sampling_rounds: int = opt(8, "--dynamic-sampling: rounds of B prompts at most per step; at the cap "
-                                   "the step trains on the groups it kept")
-    max_sampling_seconds: float = opt(300.0, "--dynamic-sampling: seconds of sampling at most per step (every group "
-                                      "one reward, round after round, under near-greedy sampling)")
-    skip_all_fallback: bool = opt(GRPO.skip_all_fallback, "report 001's guard: no update when every sample is fallback text")
-    # sampling
-    temperature: float = opt(GRPO.temperature, "sampling temperature for rollouts and evaluation")
-    max_new_tokens: int = opt(0, "longest completion (tools: each turn); 0 = 24, or 64 for a real model's "
-                              "tool turns (a tool call is ~40 of its tokens, 17 of the tiny model's)")
     # evaluation and output
-    eval_every: int = opt(10, "evaluate on held-out prompts every this many steps")
-    eval_samples: int = opt(4, "samples per held-out prompt at each evaluation")
+    eval_every: int = opt(10, "evaluate on held-out prompts every this many steps", min=1)
+    eval_samples: int = opt(4, "samples per held-out prompt at each evaluation", min=1, max=1000)
     eval_prompts: int = opt(0, "held-out prompts per evaluation, spread over the list (and as many training "
-                               "prompts for the answer NLL); 0 = all 32: fewer for a quick look at a real model on a CPU")
+                               "prompts for the answer NLL); 0 = all 32: fewer for a quick look at a real model on a CPU",
+                            min=0)
     early_stop_patience: int = opt(0, "stop once the held-out reward has not improved for this many "
-                                      "evaluations, keeping the best one's checkpoint; 0 = off")
-    seed: int = opt(GRPO.seed, "seed of the RL phase (prompts and sampling)")
+                                      "evaluations, keeping the best one's checkpoint; 0 = off", min=0)
+    seed: int = opt(0, "seed of the RL phase (prompts and sampling)", min=0, max=2 ** 32 - 1)   # seed * 100003 + step
+                                                               # stays inside a torch.Generator's 64 bits
     out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}, with a "
                        "-2, -3 ... suffix when that one holds a run already")
     overwrite: bool = opt(False, "replace the run already in --out (its logs, summary, curves and checkpoints)")
     tensorboard: bool = opt(False, "also write every metric as a TensorBoard scalar into OUT/tensorboard/ "
                             "(needs the optional `pip install tensorboard`); metrics.jsonl stays the record")
-    log_samples: int = opt(4, "completions per step written to samples.jsonl")
     quiet: bool = opt(False, "no progress line")
-    # surviving failures (checkpoint.py, monitor.py)
-    save_every: int = opt(0, "write a checkpoint every this many steps; 0 = only when a run stops early")
-    keep_checkpoints: int = opt(0, "keep only this many newest checkpoints; 0 = keep all")
+    # surviving failures (checkpoint.py)
+    save_every: int = opt(0, "write a checkpoint every this many steps; 0 = only when a run stops early", min=0)
+    keep_checkpoints: int = opt(0, "keep only this many newest checkpoints; 0 = keep all", min=0)
     resume: str = opt("", "continue the run in this folder (or from this checkpoint folder)")
-    max_skips: int = opt(10, "stop the run (with a checkpoint) once more optimizer steps than this were non-finite")
-    alert_entropy: float = opt(0.5, "monitor: alert when the token-mean entropy falls below this (report 002)")
-    alert_kl: float = opt(0.5, "monitor: alert when the KL to the reference rises above this (report 002)")
-    alert_reward_range: float = opt(0.3, "monitor: alert when max - min of the mean reward over the window exceeds this")
-    alert_window: int = opt(10, "monitor: steps in the reward-range window")
-    stop_on_alert: bool = opt(False, "stop the run (with a checkpoint) at the monitor's first alert")
+    max_skips: int = opt(10, "stop the run (with a checkpoint) once more optimizer steps than this were non-finite",
+                         min=0)
     collective_timeout: float = opt(300.0, "torchrun: seconds a rank waits for the others before the job ends "
-                                    "with a line naming it (a rank stopped with kill -STOP hung the others)")
+                                    "with a line naming it (a rank stopped with kill -STOP hung the others)",
+                                    min=1.0, max=86400.0)
     # the policy
     device: str = opt("auto", "where to run", choices=("auto", "cpu", "cuda"))
     threads: int = opt(0, "CPU threads torch uses; 0 = 1 for the tiny model (a 20-step run on a busy 2-core "
-                       "machine: 1.6x faster than with 2; docs/performance.md), torch's default for --model")
+                       "machine: 1.6x faster than with 2; docs/performance.md), torch's default for --model",
+                       min=0, max=1024)
     bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU for a real model where "
                     "bf16 is measured faster", choices=("auto", "on", "off"))
+    no_shared_prefix: bool = opt(False, "encode a group's prompt once per sequence, as a plain forward does, "
+                                 "not once per group (shared_prefix.py: the same numbers, for comparison)")
     model: str = opt("", "a real model: smollm2-135m (fetched once), a local Hugging Face folder, or a hub id; "
                      "default: the tiny model built in code")
-    model_cache: str = opt("", "where --model smollm2-135m is converted and cached; default $RL_LESSONS_CACHE, "
-                           "else ~/.cache/rl-lessons")
-    hidden: int = opt(64, "tiny model: hidden size")
-    layers: int = opt(2, "tiny model: transformer layers")
-    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = the default (policy.WARM_START: 300 tiny, 30 real)")
-    sft_lr: float = opt(0.0, "warm-up learning rate; 0 = the default (3e-3 tiny, 1e-4 real)")
-    sft_seed: int = opt(0, "warm-up seed (one warm start shared by all RL seeds)")
+    hidden: int = opt(64, "tiny model: hidden size", max=8192)
+    layers: int = opt(2, "tiny model: transformer layers", min=1, max=256)
+    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = the default (policy.WARM_START: 300 tiny, 30 real)",
+                         min=-1)
     sft_difficulty: int = opt(0, "tools task: the warm start shows episodes of 1 up to this many benchmarks "
                               "(half of them one); 0 = --difficulty")
     cache_dir: str = opt("", "where warm-started weights are cached; default: .cache/warmstart in the "
                          "repository, wherever the command runs from (models/policy.CACHE)")
     init_from: str = opt("", "start from another run's weights (its best checkpoint if it kept one, else its "
                          "newest), not the warm start; that start is also the KL's reference")
+
+
+# The lessons whose knobs are flags, in the course's order: each defines its own (Knobs: the
+# field, its default, its help) and its checks (problems); --help shows them in this order.
+LESSONS = (advantages, grpo, surrogates, update, kl, entropy_control, rewards, rollout, mismatch, ppo, rce,
+           dynamic_sampling, monitor)
+
+
+@dataclass
+class Config(Run, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, *grpo.KNOBS):
+    """Every flag: the run's own (Run) and each lesson's (its Knobs)."""
 
     # derived sizes, computed in one place
     @property
@@ -241,49 +141,37 @@ class Config:
                 and self.mini_batch in (0, self.n) and not self.kl_in_reward
                 and not self.rollout_logprobs)       # the mismatch's weight needs pi_old before the update
 
+    @property
+    def new_tokens(self) -> int:
+        """--max-new-tokens, 0 resolved: a real tokenizer spends more tokens on a tool call."""
+        return self.max_new_tokens or (64 if self.model and self.task == "tools" else 24)
 
-# ---- what the lesson code reads: two small objects, every "0 means the default" resolved here ----
+    @property
+    def completion_limit(self) -> int:
+        """The longest completion in policy tokens: one turn's limit, times the turns of a tool
+        episode (one more per benchmark beyond the first)."""
+        return self.new_tokens * (self.max_turns + self.difficulty - 1 if self.task == "tools" else 1)
+
+
+# ---- what the lesson code reads ----
 
 def hyper_params(cfg: Config) -> grpo.HyperParams:
     """The update's and the advantages' settings: grpo.HyperParams, or PPO's and RCE's
-    extensions of it; train.py replaces beta, entropy_coef, seed (and RCE's tau) each step.
-    Under torchrun the sizes are one rank's: its N/W sequences, its share of each mini-batch."""
+    extensions of it, each knob copied from its flag of the same name; train.py replaces beta,
+    entropy_coef, seed (and RCE's tau) each step. Under torchrun the batch sizes are one rank's:
+    its share of each mini-batch."""
+    cls = {"ppo": ppo.PPOParams, "rce": rce.RCEParams}.get(cfg.algo, grpo.HyperParams)
+    knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)}
     mini_batch = (cfg.mini_batch or cfg.n) // distributed.size()
-    common = dict(
-        mini_batch=mini_batch, micro_batch=cfg.micro_batch or mini_batch, algo=cfg.algo,
-        k=cfg.k, norm=cfg.norm, unbiased=cfg.unbiased, adv_clip=cfg.adv_clip or None,
-        kl_in_reward=cfg.kl_in_reward,
-        clip_low=cfg.clip_eps, clip_high=cfg.clip_eps_high or cfg.clip_eps, ratio_level=cfg.ratio_level,
-        beta=cfg.beta, kl_estimator=kl_estimator(cfg), entropy_coef=cfg.entropy_coef, loss_agg=cfg.loss_agg,
-        max_len=completion_limit(cfg),
-        temperature=cfg.temperature,
-        epochs=cfg.epochs, max_grad_norm=cfg.max_grad_norm or math.inf, target_kl=cfg.target_kl,
-        fast=cfg.fast, reuse_old_logp=cfg.reuse_old_logp, skip_all_fallback=cfg.skip_all_fallback,
-        policy_loss=cfg.policy_loss, dual_clip_c=cfg.dual_clip_c, cispo_max=cfg.cispo_max,
-        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, gmpo_delta=cfg.gmpo_delta,
-        cov_ratio=cfg.cov_ratio, clip_cov_lb=cfg.clip_cov_lb, clip_cov_ub=cfg.clip_cov_ub, kl_cov_coef=cfg.kl_cov_coef,
-        top_entropy_quantile=cfg.top_entropy_quantile, overlong_buffer=cfg.overlong_buffer,
-        mask_truncated=cfg.mask_truncated, rollout_correction=cfg.rollout_correction,
-        rollout_correction_level=cfg.rollout_correction_level, rollout_c_min=cfg.rollout_c_min,
-        rollout_c_max=cfg.rollout_c_max, seed=cfg.seed)
-    if cfg.algo == "ppo":
-        return ppo.PPOParams(**common, gamma=cfg.gamma, lam=cfg.lam, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
-    if cfg.algo == "rce":
-        return rce.RCEParams(**common, rce_temp=cfg.rce_temp_start)
-    return grpo.HyperParams(**common)
-
-
-def kl_estimator(cfg: Config) -> str:
-    """--kl-estimator, auto resolved by where the KL goes: k1 in the reward, k3 in the loss."""
-    if cfg.kl_estimator != "auto":
-        return cfg.kl_estimator
-    return kl.REWARD_ESTIMATOR if cfg.kl_in_reward else kl.LOSS_ESTIMATOR
+    tau = {"rce_temp": cfg.rce_temp_start} if cfg.algo == "rce" else {}
+    return cls(**{**knobs, **tau, "mini_batch": mini_batch, "micro_batch": cfg.micro_batch or mini_batch,
+                  "max_len": cfg.completion_limit, "kl_estimator": kl.estimator(cfg)})
 
 
 def sampling(cfg: Config) -> tasks.Sampling:
     """How the task samples and scores rollouts (training and evaluation alike)."""
-    return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=new_tokens(cfg),
-                          forward_batch=cfg.micro_batch or None, static_cache=cfg.compile,
+    return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=cfg.new_tokens,
+                          forward_batch=cfg.micro_batch or None,
                           shared_prefix=not cfg.no_shared_prefix,
                           max_turns=cfg.max_turns, reward=cfg.reward, reward_clip=cfg.reward_clip or None,
                           process_reward=not cfg.drop_process_reward)
@@ -304,11 +192,35 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-# --help's sections: the first flag of each, in Config's order (its banner comments)
-SECTIONS = {"task": "the task and the algorithm", "k": "the batch", "steps": "the update",
-            "rollout_dtype": "the rollout/training mismatch (mismatch.py)", "beta": "KL to the reference (kl.py)",
-            "critic": "PPO's critic (ppo.py)", "temperature": "sampling", "eval_every": "evaluation and output",
-            "save_every": "surviving failures", "device": "the policy and the machine"}
+def is_flag(f) -> bool:
+    """A knob is a flag unless its lesson says otherwise (metadata "flag": False): a value from a
+    paper or a report that no lesson's run turns, kept as a field that Python code can set."""
+    return f.metadata.get("flag", True)
+
+
+# the flags only some algorithms read (their metadata's "algos"): set to anything but their
+# default with another --algo, they are refused (checks.validate)
+USED_BY = {f.name: f.metadata["algos"] for f in dataclasses.fields(Config) if "algos" in f.metadata and is_flag(f)}
+
+
+# --help's sections of the run's own flags (Run's banner comments); each lesson's flags follow
+# under the lesson's name, in the course's order (LESSONS)
+SECTIONS = {"task": "the run: the task, the algorithm, the batch and the schedule",
+            "eval_every": "the run: evaluation and output", "save_every": "the run: surviving failures",
+            "device": "the run: the policy and the machine"}
+
+
+def sections():
+    """--help's sections: (title, the flags under it), the run's first, then one per lesson."""
+    out = []
+    for f in dataclasses.fields(Run):
+        if f.name in SECTIONS:
+            out.append((SECTIONS[f.name], []))
+        out[-1][1].extend([f] if is_flag(f) else [])
+    for lesson in LESSONS:
+        out.append((f"{lesson.__name__}.py: {lesson.Knobs.__doc__}",
+                     [f for f in dataclasses.fields(lesson.Knobs) if is_flag(f)]))
+    return out
 EXAMPLES = """examples:
   python train.py --k 8 --norm global                  the main job (GRPO, the tiny model, CPU)
   python train.py --k 2 --batch 3 --norm group         report 001's setting (Lesson 2)
@@ -330,16 +242,16 @@ def _parser(explicit_only: bool = False) -> argparse.ArgumentParser:
                                        "field of config.Config.",
                            formatter_class=HelpFormatter, epilog=EXAMPLES,
                            argument_default=argparse.SUPPRESS if explicit_only else None)
-    group = parser
-    for f in dataclasses.fields(Config):
-        group = parser.add_argument_group(SECTIONS[f.name]) if f.name in SECTIONS else group
-        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        default = argparse.SUPPRESS if explicit_only else f.default
-        if f.type is bool or f.type == "bool":
-            group.add_argument(*flags, action="store_true", default=default, help=f.metadata["help"])
-        else:
-            group.add_argument(*flags, type=type(f.default), default=default,
-                               choices=f.metadata.get("choices"), help=f.metadata["help"])
+    for title, fields in sections():
+        group = parser.add_argument_group(title)
+        for f in fields:
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            default = argparse.SUPPRESS if explicit_only else f.default
+            if f.type is bool or f.type == "bool":
+                group.add_argument(*flags, action="store_true", default=default, help=f.metadata["help"])
+            else:
+                group.add_argument(*flags, type=type(f.default), default=default,
+                                   choices=f.metadata.get("choices"), help=f.metadata["help"])
     return parser
 
 
@@ -360,7 +272,7 @@ def parse_config(argv=None) -> Config:
                 raise ConfigError(f"--{name.replace('_', '-')}: needs {what}, got an empty string")
         if "resume" in given:
             cfg = resumed_config(cfg, given)
-        return validate(cfg)
+        return checks.validate(cfg, LESSONS)
     except ConfigError as e:
         fail(str(e))
 

@@ -198,10 +198,10 @@ def load(cfg: Config, task, device: str, log, init: dict | None = None):
     warm-started on the task's mix (models/policy.py) unless --sft-steps 0; then, with --init-from,
     another run's weights (init: the pinned checkpoint, init_from_checkpoint)."""
     default = policy.WARM_START["real" if cfg.model else "tiny"]
-    warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, cfg.sft_lr or default.lr,
-                            default.batch, cfg.sft_seed, cfg.sft_difficulty, default.micro_batch)
+    warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
+                            default.batch, 0, cfg.sft_difficulty, default.micro_batch)
     if cfg.model:
-        folder = pretrained.resolve(cfg.model, Path(cfg.model_cache or pretrained.default_cache()), log)
+        folder = pretrained.resolve(cfg.model, pretrained.default_cache(), log)
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
         # weights would mostly round away.
         model, tok = policy.real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
@@ -254,16 +254,15 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
               f"less than k1 near it (kl.py); --kl-estimator auto (or k1) puts k1 there", file=sys.stderr)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, sampling(cfg, model, log),
-                      autocast, scorer, dynamic=dynamic_sampling.Budget(cfg.max_sampling_rounds, cfg.max_sampling_seconds)
+                      autocast, scorer, dynamic=dynamic_sampling.Budget(cfg.max_sampling_rounds)
                       if cfg.dynamic_sampling else None,
                       rollout_policy=mismatch.RolloutPolicy(cfg.rollout_dtype, cfg.rollout_stale, cfg.rollout_temperature)
                       if cfg.rollout_logprobs else None)
     kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
-    adaptive = entropy_control.AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta,
-                                               cfg.entropy_coef_max) if cfg.entropy_target > 0 else None
-    stability = monitor.StabilityMonitor(cfg.alert_entropy, cfg.alert_kl, cfg.alert_reward_range,
-                                         cfg.alert_window)
+    adaptive = entropy_control.AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta) \
+        if cfg.entropy_target > 0 else None
+    stability = monitor.StabilityMonitor(cfg.alert_entropy)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     state = RunState()

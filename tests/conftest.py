@@ -78,13 +78,38 @@ def synthetic_batch(model, n=8, p_len=4, c_len=6, eos=1, seed=0) -> Rollout:
     return batch
 
 
+def configure(argv: list):
+    """config.parse_config(argv), where a knob that is a field and not a flag (--kl-horizon, a
+    paper's constant: config.is_flag) is set on the parsed configuration and checked as the
+    flags are (what a run resumed from a hand-edited config.json meets): one line, exit 2."""
+    import dataclasses
+    from running import checks, config
+    knobs = {f.name: f for f in dataclasses.fields(config.Config)}
+    flags, fields, i = [], {}, 0
+    while i < len(argv):
+        f = knobs.get(argv[i][2:].replace("-", "_")) if argv[i].startswith("--") else None
+        if f is None or config.is_flag(f):
+            flags, i = flags + [argv[i]], i + 1
+        elif f.type is bool or f.type == "bool":
+            fields[f.name], i = True, i + 1
+        else:
+            fields[f.name], i = type(f.default)(argv[i + 1]), i + 2
+    cfg = config.parse_config(flags)
+    if not fields:
+        return cfg
+    cfg = dataclasses.replace(cfg, **fields)
+    try:
+        return checks.validate(cfg, config.LESSONS)
+    except checks.ConfigError as e:
+        config.fail(str(e))
+
+
 def assert_refused_in_one_line(tmp_path, capsys, argv: list, message: str) -> None:
     """train.py's flags (quick's, plus argv) exit 2 before any work, with one line on stderr
     that holds message."""
     import pytest
-    from running import config
     with pytest.raises(SystemExit) as e:
-        config.parse_config(quick(tmp_path, "bad", *argv))
+        configure(quick(tmp_path, "bad", *argv))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 

@@ -148,7 +148,7 @@ def test_under_gspo_the_clip_fractions_are_shares_of_sequences_as_trls():
     logp = old + 0.002 * torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
     s = torch.exp(((logp - old) * mask).sum(1) / mask.sum(1))                    # (8,) GSPO's s_i
     low_t, high_t = (s < 1 - 3e-4) & (adv < 0), (s > 1 + 4e-4) & (adv > 0)      # TRL: coef_1 (B, 1), x.mean()
-    low, high, frac = clip_fracs(logp, old, adv, mask, ratio_level="sequence", clip_low=3e-4, clip_high=4e-4)
+    low, high, frac = clip_fracs(logp, old, adv, mask, ratio_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4)
     assert (low_t | high_t).any() and not (low_t | high_t).all()
     assert (low, high, frac) == pytest.approx((low_t.float().mean().item(), high_t.float().mean().item(),
                                                (low_t | high_t).float().mean().item()))

@@ -9,7 +9,7 @@ import torch
 
 import grpo
 import rewards
-from conftest import assert_refused_in_one_line, quick, synthetic_batch, tiny_model
+from conftest import assert_refused_in_one_line, configure, quick, synthetic_batch, tiny_model
 from entropy_control import AdaptiveEntropy
 
 
@@ -60,7 +60,7 @@ def test_a_run_applies_what_the_controller_says_and_a_resume_continues_it(tmp_pa
     import train
     flags = ["--entropy-target", "3", "--entropy-coef", "0.002", "--epochs", "2", "--hidden", "64", "--layers", "2",
              "--sft-steps", "60", "--batch", "4", "--k", "8"]          # a warm start that earns rewards
-    train.train(config.parse_config(quick(tmp_path, "whole", "--steps", "6", *flags)))
+    train.train(configure(quick(tmp_path, "whole", "--steps", "6", *flags)))
     rows = metrics(tmp_path / "whole")[1:]
     ctl, expected = AdaptiveEntropy(0.002, 3.0), []
     for r in rows:
@@ -69,7 +69,7 @@ def test_a_run_applies_what_the_controller_says_and_a_resume_continues_it(tmp_pa
             ctl.update(r["entropy"])
     assert [r["entropy_coef"] for r in rows] == pytest.approx(expected)
     assert any(c > 0 for c in expected)                                  # the bonus did apply
-    train.train(config.parse_config(quick(tmp_path, "cut", "--steps", "3", "--save-every", "3", *flags,
+    train.train(configure(quick(tmp_path, "cut", "--steps", "3", "--save-every", "3", *flags,
                                           "--cache-dir", str(tmp_path / "cache"))))
     train.train(config.parse_config(["--resume", str(tmp_path / "cut"), "--steps", "6"]))
     assert [r["entropy_coef"] for r in metrics(tmp_path / "cut")[1:]] == pytest.approx(expected)
@@ -78,8 +78,8 @@ def test_a_run_applies_what_the_controller_says_and_a_resume_continues_it(tmp_pa
 @pytest.mark.parametrize("argv, message", [
     (["--entropy-target", "-1"], "--entropy-target: must be >= 0"),
     (["--entropy-target", "0.3", "--entropy-coef-delta", "0"], "--entropy-coef-delta: must be > 0"),
-    (["--entropy-coef-max", "0.5"], "--entropy-coef-max: only adaptive entropy control reads it"),
-    (["--entropy-target", "0.3", "--entropy-coef", "0.1", "--entropy-coef-max", "0.05"], "--entropy-coef-max: must be >="),
+    (["--entropy-coef-delta", "0.5"], "--entropy-coef-delta: only --entropy-target reads it"),
+    (["--entropy-target", "0.3", "--entropy-coef", "2"], "--entropy-coef: adaptive control keeps the weight at most 1.0"),
     (["--entropy-target", "0.3", "--entropy-coef-end", "0.001"], "--entropy-coef-end: a decay schedule and"),
     (["--entropy-target", "0.3", "--algo", "rce"], "--entropy-target: only --algo grpo and ppo use it"),
 ])
@@ -125,7 +125,7 @@ def test_every_completion_cut_means_no_update_said_by_its_reason(tmp_path):
     on, and the step says so (update_skipped: all_truncated) instead of stepping AdamW on nothing."""
     from running import config
     import train
-    train.train(config.parse_config(quick(tmp_path, "cut", "--max-new-tokens", "2", "--mask-truncated",
+    train.train(configure(quick(tmp_path, "cut", "--max-new-tokens", "2", "--mask-truncated",
                                           "--entropy-coef", "0.01")))
     rows = metrics(tmp_path / "cut")[1:]
     assert all(r["completions/clipped_ratio"] == 1.0 and r["update_skipped"] == "all_truncated"

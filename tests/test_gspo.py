@@ -113,7 +113,7 @@ def test_policy_loss_reads_the_ratio_level_from_the_hyper_params():
     logp = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.2, 0.0]])
     rows = SimpleNamespace(mask=torch.tensor([[1, 1, 1], [1, 1, 0]]), advantages=torch.tensor([1.0, -1.0]),
                            ref_logp=None, is_weight=None)
-    hp = grpo.HyperParams(mini_batch=2, micro_batch=2, ratio_level="sequence", clip_low=0.5, clip_high=0.5)
+    hp = grpo.HyperParams(mini_batch=2, micro_batch=2, ratio_level="sequence", clip_eps=0.5, clip_eps_high=0.5)
     per_token, _ = grpo.policy_loss(logp, old, torch.zeros(2, 3), rows, hp)
     assert per_token[0].tolist() == pytest.approx([-math.exp(0.2)] * 3)
     assert per_token[1, :2].tolist() == pytest.approx([math.exp(-0.1)] * 2)
@@ -127,7 +127,7 @@ def updated_weights(level: str, batch_old_logp: str):
         batch.old_logp = None                     # the policy that sampled is this one: ratio 1
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hp = grpo.HyperParams(mini_batch=8, micro_batch=8, ratio_level=level, loss_agg="seq-mean-token-mean",
-                          clip_low=3e-4, clip_high=4e-4)
+                          clip_eps=3e-4, clip_eps_high=4e-4)
     stats = grpo_update(logprobs.Scorer(model), opt, batch, hp)
     return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
@@ -170,7 +170,7 @@ def test_the_sequence_ratio_alone_brings_gspos_clip_and_mean_and_says_so(tmp_pat
     cfg = config.parse_config(quick(tmp_path, "a", "--ratio-level", "sequence"))
     assert (cfg.clip_eps, cfg.clip_eps_high, cfg.loss_agg) == (3e-4, 4e-4, "seq-mean-token-mean")
     hp = config.hyper_params(cfg)
-    assert (hp.clip_low, hp.clip_high) == (3e-4, 4e-4)
+    assert surrogates.clip_range(hp) == (3e-4, 4e-4)
     given = config.parse_config(quick(tmp_path, "b", "--ratio-level", "sequence", "--clip-eps", "0.01"))
     assert (given.clip_eps, given.clip_eps_high, given.loss_agg) == (0.01, 4e-4, "seq-mean-token-mean")
     token = config.parse_config(quick(tmp_path, "c"))

@@ -9,7 +9,7 @@ from running import config
 import logprobs
 import ppo
 import train
-from conftest import ppo_update, quick, synthetic_batch, tiny_model
+from conftest import configure, ppo_update, quick, synthetic_batch, tiny_model
 from ppo import PPOParams
 
 
@@ -170,7 +170,7 @@ def test_ppo_with_adaptive_kl_resumes_exactly(tmp_path):
 ])
 def test_bad_ppo_and_kl_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
-        config.parse_config(argv + ["--out", str(tmp_path / "x")])
+        configure(argv + ["--out", str(tmp_path / "x")])
     assert e.value.code == 2 and flag in capsys.readouterr().err
 
 

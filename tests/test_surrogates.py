@@ -8,7 +8,7 @@ import torch
 import grpo
 import surrogates
 from rollout import Rows
-from conftest import assert_refused_in_one_line, quick
+from conftest import assert_refused_in_one_line, configure, quick
 
 
 def inputs(seed=0, n=6, c=5):
@@ -111,11 +111,11 @@ def ours(name, logp, old, adv, mask, **knobs):
 
 @pytest.mark.lesson
 @pytest.mark.parametrize("name, reference, knobs, ref_args", [
-    ("dual-clip", verl_vanilla_dual_clip, dict(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0), (0.2, 0.28, 3.0)),
+    ("dual-clip", verl_vanilla_dual_clip, dict(clip_eps=0.2, clip_eps_high=0.28, dual_clip_c=3.0), (0.2, 0.28, 3.0)),
     ("cispo", trl_cispo, dict(cispo_max=1.3), (1.3,)),
     ("sapo", verl_sapo, dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05), (1.0, 1.05)),
     ("gmpo", verl_geo_mean, dict(gmpo_delta=0.4), (0.4, 0.4)),
-    ("clip-cov", verl_clip_cov, dict(clip_low=0.2, clip_high=0.2, cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=5.0),
+    ("clip-cov", verl_clip_cov, dict(clip_eps=0.2, clip_eps_high=0.2, cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=5.0),
      (0.2, 0.2, 0.2, 0.0, 5.0)),
     ("kl-cov", verl_kl_cov, dict(cov_ratio=0.2, kl_cov_coef=1.0), (0.2, 1.0)),
 ])
@@ -225,12 +225,12 @@ def test_at_one_update_per_batch_the_ratio_based_fixes_are_the_plain_policy_grad
     plain = token_mean(-adv.unsqueeze(1) * logp, mask)
     (g_plain,) = torch.autograd.grad(plain, logp)
     (g_plain_seq,) = torch.autograd.grad(seq_mean_token_mean(-adv.unsqueeze(1) * logp, mask), logp)
-    for name, knobs in [("dual-clip", dict(clip_high=0.28)), ("cispo", {}), ("sapo", {}), ("kl-cov", {})]:
+    for name, knobs in [("dual-clip", dict(clip_eps_high=0.28)), ("cispo", {}), ("sapo", {}), ("kl-cov", {})]:
         (g,) = torch.autograd.grad(ours(name, logp, old, adv, mask, **knobs)[0], logp)
         want = g_plain_seq if name in surrogates.OWN_AGGREGATION else g_plain     # in the objective's own aggregation
         torch.testing.assert_close(g * mask, want * mask, rtol=1e-6, atol=1e-7, msg=name)
-    hp = grpo.HyperParams(mini_batch=6, micro_batch=6, clip_high=0.28)          # clip-higher: grpo's own clip
-    loss, _, _ = surrogates.ppo_clip(torch.exp(logp - old), adv, hp.clip_low, hp.clip_high)
+    hp = grpo.HyperParams(mini_batch=6, micro_batch=6, clip_eps_high=0.28)          # clip-higher: grpo's own clip
+    loss, _, _ = surrogates.ppo_clip(torch.exp(logp - old), adv, *surrogates.clip_range(hp))
     (g,) = torch.autograd.grad(token_mean(loss.expand_as(logp), mask), logp)
     torch.testing.assert_close(g * mask, g_plain * mask, rtol=1e-6, atol=1e-7)
     torch.manual_seed(0)
@@ -305,7 +305,7 @@ def clip_run(tmp_path_factory):
     from running import config
     import train
     tmp = tmp_path_factory.mktemp("surrogates")
-    train.train(config.parse_config(quick(tmp, "clip", *BASE)))
+    train.train(configure(quick(tmp, "clip", *BASE)))
     BASE.extend(["--cache-dir", str(tmp / "cache")])       # the other runs start from the same warm start
     return metrics(tmp / "clip")
 
@@ -321,7 +321,7 @@ def test_each_policy_loss_trains_and_changes_only_the_update(flags, clip_run, tm
     (dual-clip with c = 1.05, so that its cap bites within two epochs: see the next test.)"""
     from running import config
     import train
-    train.train(config.parse_config(quick(tmp_path, "other", *BASE, *flags)))
+    train.train(configure(quick(tmp_path, "other", *BASE, *flags)))
     clip, other = clip_run, metrics(tmp_path / "other")
     first = next(i for i, row in enumerate(clip) if row.get("loss") is not None)
     assert clip[first]["reward_mean"] == other[first]["reward_mean"], "the same rollouts until the first update"
@@ -335,17 +335,17 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     run never gets there, so it is the clip run, number for number."""
     from running import config
     import train
-    train.train(config.parse_config(quick(tmp_path, "dual", *BASE, "--policy-loss", "dual-clip")))
+    train.train(configure(quick(tmp_path, "dual", *BASE, "--policy-loss", "dual-clip")))
     strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
     assert strip(clip_run) == strip(metrics(tmp_path / "dual"))
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--policy-loss", "dual-clip", "--dual-clip-c", "1"], "--dual-clip-c: must be > 1"),
-    (["--policy-loss", "cispo", "--cispo-max", "-5"], "--cispo-max: must be > 0"),
-    (["--policy-loss", "sapo", "--sapo-tau-neg", "0"], "--sapo-tau-neg: must be > 0"),
+    (["--policy-loss", "cispo", "--cispo-max", "-5"], "--cispo-max: must be in [1, 10000]"),
+    (["--policy-loss", "sapo", "--sapo-tau-neg", "0"], "--sapo-tau-neg: must be in [0.001, 1000]"),
     (["--dual-clip-c", "4"], "--dual-clip-c: only --policy-loss dual-clip reads it"),
-    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: bounds PPO's clip; --policy-loss cispo has its own knob (--cispo-max)"),
+    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: only --policy-loss clip, dual-clip and clip-cov read it; --policy-loss cispo would ignore it"),
     (["--policy-loss", "sapo", "--ratio-level", "sequence"], "--policy-loss: sapo weighs each token by its own ratio"),
     (["--policy-loss", "gmpo", "--algo", "ppo"], "--policy-loss: gmpo weighs a sequence by one advantage; --algo ppo"),
     (["--policy-loss", "cispo", "--algo", "rce"], "--policy-loss: only --algo grpo and ppo use it"),

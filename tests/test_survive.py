@@ -167,8 +167,6 @@ def test_jsonl_log_appends_whole_lines_and_truncates_by_step(tmp_path):
 @pytest.mark.parametrize("argv, flag", [
     (["--save-every", "-1"], "--save-every"),
     (["--max-skips", "-1"], "--max-skips"),
-    (["--alert-window", "1"], "--alert-window"),
-    (["--alert-kl", "0"], "--alert-kl"),
     (["--resume", "/nonexistent/run"], "--resume"),
 ])
 def test_bad_survival_flags_exit_2_naming_the_flag(argv, flag, capsys, tmp_path):
