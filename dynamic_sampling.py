@@ -11,7 +11,7 @@ differ (verl: algorithm.filter_groups; TRL only logs frac_reward_zero_std):
     rounds 2 .. R:   while fewer than B are kept, B fresh prompts x K, keep theirs
     the batch:       the first B kept groups, in the order they were sampled
 
-R is the cap (--max-sampling-rounds; also --max-sampling-seconds, and a signal to stop ends
+R is the cap (--max-sampling-rounds; also 300 s of sampling, Budget.seconds, and a signal to stop ends
 the step after the round in progress: `Budget`). At the cap the step trains on the groups it kept,
 fewer than B (verl stops the run with an error there; here the run goes on and logs
 `groups_kept`); with none kept it returns the last round as sampled, and train.py takes no

@@ -15,7 +15,7 @@ and a step applies the bonus only while the entropy is at or below the target:
 so a run whose entropy stays above H* never feels the bonus, and one that collapses gets a
 bonus that grows by delta a step until the entropy comes back. The first step applies none
 (no entropy measured yet). `--entropy-target H*` turns it on, starting from `--entropy-coef`;
-`--entropy-coef-delta`, `--entropy-coef-max` are delta and c_max (TRL's defaults 0.005 and 1).
+The fields entropy_coef_delta and AdaptiveEntropy.coef_max are delta and c_max (TRL's 0.005 and 1).
 A step that takes no update (every advantage 0 and no bonus applied: train.why_no_update)
 measures no entropy, and c waits for the next one. The controller's state is saved in every
 checkpoint, so a resumed run continues it.
@@ -33,7 +33,7 @@ class Knobs:
                                     "between; -1 = no decay", "algos": ("grpo", "ppo")})
     entropy_target: float = field(default=0.0, metadata={
         "help": "adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the bonus applies while the "
-                "token entropy is at or below this, its weight moving from --entropy-coef by --entropy-coef-delta "
+                "token entropy is at or below this, its weight moving from --entropy-coef by entropy_coef_delta "
                 "a step; 0 = off", "min": 0, "algos": ("grpo", "ppo")})
     entropy_coef_delta: float = field(default=0.005, metadata={"flag": False, "help": "--entropy-target: how far the bonus's "
                                       "weight moves per step (> 0)", "max": 100.0, "needs": "entropy_target"})

@@ -42,9 +42,9 @@ One update (update.py's loop, the same for GRPO, PPO and RCE):
         optimizer_step(...)                             clip the norm, skip a NaN/inf step
 
 ppo.py's loss adds a value loss to the same terms; rce.py's replaces them with a
-reward-weighted cross-entropy. Every knob is a field of HyperParams, built once from
-train.py's flags (running/config.py: hyper_params); `python train.py --k 8 --norm global`
-runs it.
+reward-weighted cross-entropy. Every knob is a field of HyperParams, defined (default, help,
+range) by the lesson it belongs to (its Knobs, below: KNOBS) and copied from the flag of the
+same name (running/config.py: hyper_params); `python train.py --k 8 --norm global` runs it.
 """
 from dataclasses import dataclass, field
 
@@ -145,7 +145,7 @@ def importance_ratio(logp, old_logp, mask, level: str):
     seq-mean-token-mean the loss is GSPO's mean over sequences of L_i, and unclipped
     dL_i/dlogp_it = -A_i s_i / |y_i| (clipped: 0). A one-token sequence's s_i is its token
     ratio: the two levels then give the same loss. PPO's advantages are per token, so the
-    sequence level is GRPO's, and RCE has no ratio (running/checks.py refuses both)."""
+    sequence level is GRPO's, and RCE has no ratio (problems refuses both)."""
     if level == "token":
         return surrogates.token_ratio(logp, old_logp)                           # (n, C), log r in [-20, 20]
     m = mask.to(logp.dtype)

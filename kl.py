@@ -50,12 +50,12 @@ How beta moves (`--kl-control`), once per step, from a measured KL (READS says w
     proportional   Ziegler et al. (2019), as TRL's AdaptiveKLController and verl's and
             OpenRLHF's adaptive controllers: e = clip(KL / T - 1, -0.2, 0.2),
             beta *= 1 + e * n / horizon, n the samples of the step (N = B*K), horizon
-            --kl-horizon (10000, TRL's default). Smooth and slow: at most 0.2 * N / horizon
+            kl_horizon (10000, TRL's default). Smooth and slow: at most 0.2 * N / horizon
             per step (0.13% at N = 64), where the reports' rules jump by x1.5 or x0.8. No clamp;
-            a horizon at or below 0.2 N would make the factor <= 0 (running/checks.py refuses it).
+            a horizon at or below 0.2 N would make the factor <= 0 (problems, below, refuses it).
             KL: the rollouts' to the reference.
 
-The starting beta must lie in the rule's range (running/checks.py refuses it otherwise; here it
+The starting beta must lie in the rule's range (problems refuses it otherwise; the controller
 raises): a start outside would be clamped at the first update, a jump no rule asked for.
 
 A run starts at the reference, so the KL to it starts at 0 and the adaptive rules first *lower*

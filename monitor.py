@@ -5,7 +5,7 @@
     reward_swing   max - min of the mean reward over the last 10 steps > 0.3   (oscillation)
 
 The thresholds are report 002's, written for LLMs with vocabularies of ~150k tokens; each
-is a flag of train.py (--alert-entropy, --alert-kl, --alert-reward-range, --alert-window).
+is a default of StabilityMonitor; the entropy one is also the field alert_entropy.
 An alert is *active* on every step its condition holds (metrics.jsonl lists the active ones
 under `alerts`), and is printed once when an episode of it starts, not on every step.
 A quantity that was not measured on a step (no update, no reference model) neither starts

@@ -28,7 +28,7 @@ One PPO step, per token t of sequence i:
     loss     = L_policy + vf_coef * L_value - entropy_coef * H     (+ beta * kl_t with --kl-in loss)
 
 averaged by grpo.aggregate, in update.py's loop (epochs over shuffled mini-batches, CleanRL's
-early stop at --target-kl), the loop GRPO and RCE share: `loss` below is what PPO adds.
+early stop at target_kl), the loop GRPO and RCE share: `loss` below is what PPO adds.
 Without --value-clip the value loss is 1/2 (V - G)^2.
 
     python train.py --algo ppo

@@ -173,7 +173,7 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     """Generate k completions for each prompt and record them with their log-probs (and,
     given a value head, the values, from the same forward pass). record_old_logp=False skips
     the policy's forward when nothing needs it (evaluation; --fast with one update per batch).
-    sampling.static_cache (--compile, CUDA): a static KV cache that torch.compile can
+    sampling.static_cache (CUDA): a static KV cache that torch.compile can
     specialise on, with prompts padded to a multiple of 64 tokens so their lengths rarely
     recompile it."""
     model, tok = models.model, models.tok

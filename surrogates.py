@@ -41,17 +41,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-# --policy-loss NAME -> its per-token loss, (loss, low, high), from (ratio, logp, old_logp, adv,
-# mask, keep, hp). A new objective is one function below, one line here, and its knobs in
-# Knobs (their metadata "objective" names it): the flags, their checks and the dispatch follow.
+# --policy-loss NAME -> its per-token loss, (loss, low, high), from (logp, old_logp, adv, mask,
+# keep, hp). A new objective is one function below, one line here, and its knobs in Knobs
+# (their metadata "objective" names it): the flag's choices, the checks and the dispatch follow.
 OBJECTIVES = {
-    "dual-clip": lambda r, logp, old, adv, mask, keep, hp: dual_clip(r, adv, *clip_range(hp), hp.dual_clip_c),
-    "cispo": lambda r, logp, old, adv, mask, keep, hp: cispo(r, logp, adv, hp.cispo_max),
-    "sapo": lambda r, logp, old, adv, mask, keep, hp: sapo(r, adv, hp.sapo_tau_pos, hp.sapo_tau_neg),
-    "gmpo": lambda r, logp, old, adv, mask, keep, hp: gmpo(logp, old, adv, mask if keep is None else keep,
-                                                           hp.gmpo_delta),
-    "clip-cov": lambda r, logp, old, adv, mask, keep, hp: clip_cov(r, logp, adv, mask, hp),
-    "kl-cov": lambda r, logp, old, adv, mask, keep, hp: kl_cov(r, logp, old, adv, mask, hp),
+    "dual-clip": lambda logp, old, adv, mask, keep, hp: dual_clip(token_ratio(logp, old), adv, *clip_range(hp),
+                                                                  hp.dual_clip_c),
+    "cispo": lambda logp, old, adv, mask, keep, hp: cispo(token_ratio(logp, old), logp, adv, hp.cispo_max),
+    "sapo": lambda logp, old, adv, mask, keep, hp: sapo(token_ratio(logp, old), adv, hp.sapo_tau_pos, hp.sapo_tau_neg),
+    "gmpo": lambda logp, old, adv, mask, keep, hp: gmpo(logp, old, adv, mask if keep is None else keep, hp.gmpo_delta),
+    "clip-cov": lambda logp, old, adv, mask, keep, hp: clip_cov(token_ratio(logp, old), logp, adv, mask, hp),
+    "kl-cov": lambda logp, old, adv, mask, keep, hp: kl_cov(token_ratio(logp, old), logp, old, adv, mask, hp),
 }
 POLICY_LOSSES = ("clip", *OBJECTIVES)       # clip: PPO's, on GSPO's sequence ratio too (grpo.policy_loss)
 
@@ -105,7 +105,7 @@ def problems(cfg):
     if not 0 <= cfg.clip_eps_high <= 100:
         yield "clip-eps-high", f"must be in [0, 100] (0 = --clip-eps), got {cfg.clip_eps_high}"
     if cfg.clip_cov_lb >= cfg.clip_cov_ub:
-        yield "clip-cov-lb", f"must be below --clip-cov-ub ({cfg.clip_cov_ub}), got {cfg.clip_cov_lb}: no token could be chosen"
+        yield "clip-cov-lb", f"must be below clip_cov_ub ({cfg.clip_cov_ub}), got {cfg.clip_cov_lb}: no token could be chosen"
     if not 0 < cfg.top_entropy_quantile <= 1:
         yield "top-entropy-quantile", f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}"
     if cfg.policy_loss != "clip" and cfg.ratio_level != "token":
@@ -294,5 +294,4 @@ def policy_gradient_loss(logp, old_logp, adv, mask, hp, keep=None):
     whose geometric mean is taken over the kept tokens instead."""
     if hp.policy_loss not in OBJECTIVES:
         raise ValueError(f"unknown --policy-loss {hp.policy_loss!r}; expected one of {POLICY_LOSSES}")
-    ratio = token_ratio(logp, old_logp)                                          # (n, C)
-    return OBJECTIVES[hp.policy_loss](ratio, logp, old_logp, adv, mask, keep, hp)
+    return OBJECTIVES[hp.policy_loss](logp, old_logp, adv, mask, keep, hp)

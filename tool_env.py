@@ -15,7 +15,7 @@ A policy turn is `<think>...</think>` followed by either
 which the environment answers with `<tool_response>...</tool_response>` (the observation,
 appended to the context by the caller), or
     <answer> vm.swappiness = 10 </answer>
-which ends the episode (spaces in the answer are ignored). After --max-turns turns without an answer the episode ends too.
+which ends the episode (spaces in the answer are ignored). After max_turns turns without an answer the episode ends too.
 
 Difficulty (report 000's "ground truth too long to reach by sampling"): an episode of
 difficulty d asks about d different benchmarks, so the answer that earns the reward is d

@@ -145,7 +145,7 @@ def why_no_update(batch, row: dict, hp: grpo.HyperParams, finite: bool) -> str |
                        token is left to train on
     no_signal          GRPO without KL or entropy terms and every advantage 0 (AdamW's
                        momentum would still move the weights); PPO always has its value loss
-    all_fallback       report 001's guard (--skip-all-fallback): every sample is fallback text"""
+    all_fallback       report 001's guard (skip_all_fallback): every sample is fallback text"""
     if not finite:
         return "non_finite_reward"
     if row.get("groups_kept") == 0:

@@ -116,7 +116,7 @@ def sft_rows(task, tok, examples: list):
 
 @dataclass(frozen=True)
 class WarmStart:
-    """The supervised warm-up before RL (--sft-steps, --sft-lr, --sft-seed)."""
+    """The supervised warm-up before RL (--sft-steps)."""
     steps: int = 300
     lr: float = 3e-3
     batch: int = 64                  # examples per step

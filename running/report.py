@@ -43,11 +43,11 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     update_skipped            why the step took no update, or null: non_finite_reward,
                               no_group_kept (--dynamic-sampling), no_signal (GRPO, every
                               advantage 0, no KL or entropy term), all_truncated (--mask-truncated,
-                              every completion cut), all_fallback (--skip-all-fallback):
+                              every completion cut), all_fallback (skip_all_fallback):
                               train.why_no_update
     steps_taken               optimizer steps applied this step (epochs x mini-batches,
                               minus skipped ones)
-    epochs_run                epochs actually run (fewer when --target-kl stopped them)
+    epochs_run                epochs actually run (fewer when target_kl stopped them)
     value_loss, explained_variance   PPO: the critic's loss and 1 - Var(G - V) / Var(G)
                               on the rollouts (undefined, and wild, when every return is equal)
     policy_shift              --kl-control range: token-mean k3 between the policy that sampled
@@ -60,7 +60,7 @@ Metrics, one JSON object per step (N = B*K rollouts of that step):
     lr, entropy_coef          the step's learning rate and entropy bonus (schedules.py)
     updated                   steps_taken > 0: false when every advantage is 0
                               (nothing to learn, and AdamW's momentum would still move the
-                              weights), when --skip-all-fallback fires, or when the step was
+                              weights), when skip_all_fallback fires, or when the step was
                               non-finite
     skipped_nonfinite, nonfinite   optimizer steps not taken because a quantity was NaN/inf,
                               and which ("loss", "grad_norm", "reward", or "logits": nothing

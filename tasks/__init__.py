@@ -19,7 +19,7 @@ class Sampling:
     temperature: float = 1.0         # sample from softmax(logits / T); log-probs of that
     max_new_tokens: int = 24         # longest completion (tools task: each turn)
     forward_batch: int | None = None  # sequences per scoring forward (--micro-batch); None = all
-    static_cache: bool = False       # --compile: a static KV cache (CUDA)
+    static_cache: bool = False       # a static KV cache that torch.compile specialises on (CUDA)
     shared_prefix: bool = False      # forwards encode each distinct prompt once (--no-shared-prefix: off)
     max_turns: int = 3               # tools task: policy turns per episode
     reward: str = "shaped"           # tools task: sparse | shaped | format

@@ -3,7 +3,7 @@
 An episode is a ToolEnv episode (tool_env.py): the prompt names a benchmark; the policy
 looks up the setting and value with `query_knowledge_base`, may check them with
 `analyze_config_impact`, and answers `<answer> setting = value </answer>`, within
---max-turns turns. rewards.py scores the whole episode (--reward sparse | shaped | format).
+max_turns turns. rewards.py scores the whole episode (--reward sparse | shaped | format).
 With --difficulty d the prompt names d benchmarks and the answer must hold all d pairs
 (report 000's long ground truth); --curriculum moves d from 1 up over the run
 (schedules.difficulty_at).

@@ -1,4 +1,4 @@
-"""The redesigns of issues 14 and 32 changed how the update reads, not what it learns.
+"""The redesigns of the update changed how it reads, not what it learns.
 
 tests/golden/*.jsonl are the metrics.jsonl of short train.py runs made by the code *before*
 the redesign (commit 98ecafc; `python tests/test_same_learning.py --record` rewrote them

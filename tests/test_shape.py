@@ -12,6 +12,7 @@ the loop a reader reads fits on a screen.
 - train.py is at most 250 lines; its loop (`train`) at most 80; one step (`rl_step`) at most 50.
 """
 import ast
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -162,3 +163,36 @@ def test_the_readmes_lesson_paragraphs_are_at_most_8_lines():
     lessons = text[text.index("## The lessons"):text.index("\n## ", text.index("## The lessons") + 1)]
     long = [p.splitlines()[0] for p in lessons.split("\n\n") if len(p.splitlines()) > 8]
     assert long == [], long
+
+
+def test_each_knob_is_defined_once_by_the_lesson_that_uses_it_and_the_flags_are_at_most_80():
+    """Config is made of the run's own flags (Run) and each lesson's Knobs: no field twice, none
+    elsewhere, each with its help; the flags (Knobs whose metadata does not say "flag": False)
+    are at most 80, and --help lists each under its lesson."""
+    from running import config
+    owners = [config.Run, *(lesson.Knobs for lesson in config.LESSONS)]
+    names = [f.name for cls in owners for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)), "a knob defined twice"
+    assert set(names) == {f.name for f in dataclasses.fields(config.Config)}
+    assert all(f.metadata.get("help") for f in dataclasses.fields(config.Config))
+    sections = config.sections()
+    flags = [f.name for _, fields in sections for f in fields]
+    assert len(flags) == len(set(flags)) <= 80, len(flags)
+    for lesson in config.LESSONS:
+        assert any(title.startswith(f"{lesson.__name__}.py: ") for title, _ in sections), lesson.__name__
+
+
+def test_a_new_objective_is_one_registered_function(monkeypatch):
+    """--policy-loss's choices, the update's dispatch and the checks of each objective's knobs all
+    come from surrogates.OBJECTIVES and the knobs' metadata: registering a function is the edit."""
+    import surrogates
+    from running import config
+    assert surrogates.POLICY_LOSSES == ("clip", *surrogates.OBJECTIVES)
+    policy_loss = next(f for f in dataclasses.fields(config.Config) if f.name == "policy_loss")
+    assert policy_loss.metadata["choices"] == surrogates.POLICY_LOSSES
+    for f in dataclasses.fields(surrogates.Knobs):
+        assert set(f.metadata.get("objective", ())) <= set(surrogates.POLICY_LOSSES), f.name
+    called = []
+    monkeypatch.setitem(surrogates.OBJECTIVES, "cispo", lambda *args: called.append(args) or "the registered one")
+    hp = config.hyper_params(config.Config(policy_loss="cispo"))
+    assert surrogates.policy_gradient_loss(None, None, None, None, hp) == "the registered one" and len(called) == 1
