@@ -7,7 +7,8 @@ It runs a 2-step run of the tiny model (a short warm start, into a temporary fol
 with Python's profiler hook, every call into this repository's code during step 2 (from the
 step's start to the next one's, bookkeeping and logs included; the held-out evaluation is not
 due at step 2). It prints the files entered, the distinct functions per file and how many calls
-each file received. Comprehensions, generator expressions and lambdas are not counted as
+each file received; and, first, the files entered from the step's start to its first optimizer
+step (update.optimizer_step: the sample -> reward -> advantage -> update path, before the logs). Comprehensions, generator expressions and lambdas are not counted as
 functions; a function's calls to torch or transformers are not followed.
 """
 import sys
@@ -24,14 +25,17 @@ class Tracer:
     """Records (file, function) of every call into the repository while `on`."""
 
     def __init__(self):
-        self.on, self.calls = False, Counter()
+        self.on, self.calls, self.before_step, self.stepped = False, Counter(), Counter(), False
 
     def __call__(self, frame, event, arg):
         name = frame.f_code.co_filename
         if event == "call" and self.on and not name.startswith("<") and name != __file__:
             path = Path(name).resolve()
             if path.is_relative_to(ROOT) and "tests" not in path.parts and frame.f_code.co_name not in SKIP:
-                self.calls[(str(path.relative_to(ROOT)), frame.f_code.co_qualname)] += 1
+                where = (str(path.relative_to(ROOT)), frame.f_code.co_qualname)
+                self.calls[where] += 1
+                self.stepped = self.stepped or where == ("update.py", "optimizer_step")
+                self.before_step[where] += not self.stepped
 
 
 def trace(argv: list) -> Counter:
@@ -70,12 +74,17 @@ def trace(argv: list) -> Counter:
             train.train(config.parse_config(flags))
         finally:
             sys.setprofile(None)
-    return tracer.calls
+    return tracer
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    calls = trace(argv)
+    tracer = trace(argv)
+    before = +tracer.before_step                    # drop the zero counts
+    files = sorted({path for path, _ in before})
+    print(f"to the first optimizer step: {len(files)} files, {len(before)} distinct functions, "
+          f"{sum(before.values())} calls ({', '.join(files)})")
+    calls = tracer.calls
     by_file, functions = Counter(), defaultdict(set)
     for (path, name), n in calls.items():
         by_file[path] += n
