@@ -146,9 +146,10 @@ def test_the_default_runs_departures_from_grpo_are_what_train_and_grpo_say(modul
 
 def test_each_lesson_page_opens_with_its_one_test_and_that_test_exists():
     """A lesson page leads with the test that shows the lesson, then the code to read, then
-    the commands; the test it names is a function of that test file."""
+    the commands, in at most 150 lines; the test it names is a function of that test file."""
     for page in sorted((ROOT / "docs" / "lessons").glob("*.md")):
         lines = page.read_text().splitlines()
+        assert len(lines) <= 150, f"{page.name} is {len(lines)} lines: its long results go to docs/lessons/results/"
         assert lines[2].startswith("**The lesson, as a test**"), page.name
         node = lines[4].split('"')[1]
         path, name = node.split("::")
