@@ -25,7 +25,7 @@ and GAE; rce.py: reward weights); update.py's loop differentiates its `loss`. Ar
 sets each step's lr, entropy bonus and beta (step_hyper_params), moves the controllers and counts
 report 001's collapses (`steer`); running/bookkeeping.py evaluates, logs and checkpoints, and
 running/session.py opens and closes the run (lock, resume, signals, summary). The run's folder
-(--out) holds config.json, metrics.jsonl (every metric: running/report.py), samples.jsonl,
+(--out) holds config.json, metrics.jsonl (every metric: docs/metrics.md), samples.jsonl,
 summary.json, curves.png and, with --save-every, checkpoints/ (`--resume RUN` continues). Under
 torchrun each rank runs this file on its share of the prompts (docs/lessons/6-torchrun.md).
 """

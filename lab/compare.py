@@ -213,7 +213,7 @@ def table(results: dict, columns=()) -> str:
 
 
 # Metrics whose early values run off the scale the lesson reads: explained variance is 1 - Var(G - V)
-# / Var(G), at most 1 and -900 when every return is nearly equal (report.py); below -1 the critic is
+# / Var(G), at most 1 and -900 when every return is nearly equal (docs/metrics.md); below -1 the critic is
 # useless all the same.
 AXIS_RANGE = {"explained_variance": (-1.05, 1.05)}
 MEDIAN = ("explained_variance",)     # one seed's -900 would drag a mean off the axis: these draw the median
@@ -291,7 +291,7 @@ def main(argv=None):
 
     unknown = [m for m in args.metrics.split(",") if not report.is_metric(m)]
     if unknown:
-        p.error(f"--metrics: {unknown[0]!r} is not a metrics.jsonl key (running/report.py lists them)")
+        p.error(f"--metrics: {unknown[0]!r} is not a metrics.jsonl key (docs/metrics.md lists them)")
     if args.model:
         args.common = f"--model {shlex.quote(args.model)} {args.common}"
     try:                                          # an unbalanced quote: one line, not a traceback

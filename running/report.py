@@ -1,100 +1,7 @@
 """What a run reports: one line of metrics.jsonl per step, the progress line, summary.json.
 
-Metrics, one JSON object per step (N = B*K rollouts of that step):
-    step                      the step (0: the evaluation before any update)
-    difficulty                tools task with --difficulty above 1: the step's benchmarks per episode
-    reward_mean, reward_std   mean and population std of the N rewards
-    best_rate, valid_rate     DSL task: share of rollouts that are the best workflow / any
-                              valid DSL (valid_rate counts best ones too)
-    fallback_rate, junk_rate  DSL task: share of `### Step` text / of anything else off-format
-    accuracy, answer_rate, tool_calls, tool_success_rate, wellformed_rate, turns,
-    failure/<kind>            tools task: see tool_task.rates
-    frac_adv_negative         share of rollouts with a negative advantage (report 000's
-                              explanation of the sparse reward's failure); a PPO rollout's
-                              advantage is the mean over its policy tokens
-    frac_reward_zero_std      share of prompts whose K rewards are all equal (no signal; TRL's
-                              name)
-    adv_abs_mean, frac_adv_pm1  mean |A|; share of advantages with |A| = 1 (K=2's mark),
-                              over the advantages the loss uses: one per rollout (GRPO), one
-                              per policy token (PPO)
-    loss, entropy, clip_frac, approx_kl, grad_norm   from the update (null when none was
-                              taken): token means over the last epoch; approx_kl =
-                              E[(ratio - 1) - log ratio]; loss and grad_norm are means over
-                              the last epoch's mini-batches, grad_norm before clipping
-    completions/mean_length, completions/min_length, completions/max_length   policy tokens per
-                              rollout (TRL's names, as every completions/ metric here)
-    completions/mean_terminated_length   the mean length of the rollouts that ended (sampled EOS or
-                              a stop string), 0 when none did (TRL's convention)
-    completions/clipped_ratio  the share of rollouts cut at --max-new-tokens (a tool episode: any
-                              of its turns) before they ended; 1.0 is said once in the log
-    clip_frac_low, clip_frac_high   the share of policy tokens whose ratio was held at its lower /
-                              upper bound (clip: r < 1 - eps_low with A < 0 / r > 1 + eps_high
-                              with A > 0; dual-clip's cap counts as low, as verl's; cispo: r > its
-                              cap with A > 0, as TRL's; gmpo: a clipped log-ratio; sapo: r outside
-                              [0.8, 1.2], nothing held): TRL's clip_ratio/low_mean and
-                              clip_ratio/high_mean (surrogates.py). Under --ratio-level sequence
-                              (GSPO) these and clip_frac are shares of sequences, as TRL's
-    ratio_min, ratio_max      the token ratio exp(logp - logp_old) at its lowest and highest over the
-                              last epoch's policy tokens (every rank's): 1 and 1 with one epoch
-                              under --fast, where the update's forward is the old policy
-    entropy_coef_adaptive     --entropy-target: the bonus's weight for the next step (entropy_control.py)
-    sampling/*                the rollout/training mismatch, TRL's names (mismatch.diagnostics):
-                              logged with --log-mismatch or any --rollout-* flag
-    update_skipped            why the step took no update, or null: non_finite_reward,
-                              no_group_kept (--dynamic-sampling), no_signal (GRPO, every
-                              advantage 0, no KL or entropy term), all_truncated (--mask-truncated,
-                              every completion cut), all_fallback (skip_all_fallback):
-                              train.why_no_update
-    steps_taken               optimizer steps applied this step (epochs x mini-batches,
-                              minus skipped ones)
-    epochs_run                epochs actually run (fewer when target_kl stopped them)
-    value_loss, explained_variance   PPO: the critic's loss and 1 - Var(G - V) / Var(G)
-                              on the rollouts (undefined, and wild, when every return is equal)
-    policy_shift              --kl-control range: token-mean k3 between the policy that sampled
-                              and the policy after the update (update.policy_shift)
-    kl, kl_coef               token-mean k3 estimate of KL(policy || reference) on the step's
-                              rollouts, before the update (null without a reference); the
-                              beta used this step (kl.py moves it from kl)
-    ref_kl                    the same KL measured in the update's forward (its last epoch);
-                              with --fast and one update per batch it is the `kl` above
-    lr, entropy_coef          the step's learning rate and entropy bonus (schedules.py)
-    updated                   steps_taken > 0: false when every advantage is 0
-                              (nothing to learn, and AdamW's momentum would still move the
-                              weights), when skip_all_fallback fires, or when the step was
-                              non-finite
-    skipped_nonfinite, nonfinite   optimizer steps not taken because a quantity was NaN/inf,
-                              and which ("loss", "grad_norm", "reward", or "logits": nothing
-                              could be sampled)
-    nonfinite_logged          the keys of this line whose NaN/inf value was written as null
-    nonfinite_rewards         rewards that were NaN/inf (left out of reward_mean/std)
-    alerts                    the stability monitor's active alerts (monitor.py)
-    collapsed_after_update    the previous step updated, its on-format rate (valid_rate;
-                              wellformed_rate for tools) was > 0, and this step's is at most
-                              half of it (report 001: "50% -> 0% right after the update").
-                              crash_rate = collapses / updates. A frozen policy raises it
-                              too, by binomial noise: summary.json's crash_floor is the rate
-                              it would show at the run's own on-format rates (monitor.py).
-    eval_<rate>, eval_reward_mean   each rate above, on held-out prompts, at step 0 (a line
-                              of its own) and every --eval-every steps: one sample at the
-                              training temperature for each of --eval-samples x 32 held-out
-                              prompts, drawn with a fixed seed so every evaluation sees the
-                              same noise
-    eval_one_answer           the share of the held-out samples that are the commonest text:
-                              1.0 when the policy writes one answer for every prompt
-    eval_value_rmse           PPO: RMSE of V(s_t) against the held-out returns
-    eval_answer_nll, train_answer_nll   at each evaluation: per-token NLL of a right answer
-                              (teacher-forced) on the held-out prompts and on 32 training
-                              prompts (evaluate.answer_nll): report 003's validation loss
-    rce_temp                  RCE: the step's softmax temperature tau (rce.py)
-    seconds                   wall time of the step
-
-summary.json (`finish`): the run's counts (steps, updates, collapses, crash_rate =
-collapses / updates, crash_floor, skipped_nonfinite, alert_episodes, failed_saves,
-lost_log_lines), why it stopped (stopped: a failure; early_stopped: --early-stop-patience,
-a normal end), eval_<headline>_start and eval_<rate>_end, the evaluation with the highest
-held-out reward (best_step, eval_<rate>_best, and with early stopping its best_checkpoint,
-relative to the run's folder), frac_adv_negative_mean over the run, and PPO's
-explained_variance_end (the median of the last 10 steps'). lab/compare.py and the lab read these.
+Every key of metrics.jsonl and summary.json, with its formula: docs/metrics.md (is_metric reads
+its list).
 """
 import json
 import math
@@ -326,11 +233,14 @@ class TensorBoardMirror:
         self.log.close()
 
 
+METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
 def is_metric(key: str) -> bool:
-    """Whether key is a metrics.jsonl key this docstring documents (eval_<rate>, failure/<kind>
+    """Whether key is a metrics.jsonl key docs/metrics.md documents (eval_<rate>, failure/<kind>
     and sampling/* as families): what `lab.compare --metrics` accepts."""
     names = set()
-    for line in __doc__.split("summary.json (`finish`)")[0].splitlines():
+    for line in METRICS_PAGE.read_text().split("summary.json (`finish`)")[0].splitlines():
         named = re.match(r"^    (\S.*?)(\s{2,}|$)", line)          # the left column of the list above
         names.update(n for n in re.split(r",\s*", named.group(1)) if n) if named else None
     if key in names:

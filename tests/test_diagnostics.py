@@ -170,7 +170,7 @@ def test_a_message_on_a_terminal_erases_the_progress_line_it_follows(monkeypatch
 
 
 def test_every_key_a_run_writes_is_a_documented_metric(tmp_path):
-    """running/report.py's docstring lists every metric with its formula; lab.compare --metrics
+    """docs/metrics.md lists every metric with its formula; lab.compare --metrics
     accepts those (report.is_metric). A key a run writes and the list lacks fails here."""
     from running import config
     import train
@@ -180,5 +180,5 @@ def test_every_key_a_run_writes_is_a_documented_metric(tmp_path):
         train.train(config.parse_config(quick(tmp_path, name, "--steps", "2", *extra)))
         keys = {k for line in open(tmp_path / name / "metrics.jsonl") for k in json.loads(line)}
         undocumented = sorted(k for k in keys if not report.is_metric(k))
-        assert not undocumented, f"{name}: metrics.jsonl keys not in running/report.py's list: {undocumented}"
+        assert not undocumented, f"{name}: metrics.jsonl keys not in docs/metrics.md's list: {undocumented}"
 
