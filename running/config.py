@@ -1,9 +1,12 @@
-"""The run's configuration: one dataclass, the single source of truth, and the CLI built from it.
+"""The run's configuration: one dataclass made of the run's own knobs (Run, below) and each
+lesson's (its Knobs, where the lesson defines each with its default, help and range), and the
+CLI built from it.
 
-Every field is a flag (`k` -> `--k`, `max_grad_norm` -> `--max-grad-norm`) whose help is the
-field's own one-line documentation; `python train.py --help` lists them. Every flag is
-checked before any model loads (running/checks.py): bad input ends with one line naming the
-flag, and exit code 2.
+A knob is a flag (`k` -> `--k`, `max_grad_norm` -> `--max-grad-norm`) whose help is its
+one-line documentation, unless its metadata says "flag": False (a paper's constant no lesson
+turns: a field Python code sets). `python train.py --help` lists the flags by lesson. Every
+knob is checked before any model loads (running/checks.py: its range, then its lesson's
+problems): bad input ends with one line naming the flag, and exit code 2.
 
 `--resume DIR` continues the run in DIR with the configuration saved there (config.json);
 only --steps (to extend the run) and --quiet may be given with it.
