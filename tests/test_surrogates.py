@@ -352,7 +352,7 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     (["--top-entropy-quantile", "0"], "--top-entropy-quantile: is a share of the tokens, in (0, 1]"),
     (["--top-entropy-quantile", "1.5"], "--top-entropy-quantile: is a share of the tokens, in (0, 1]"),
     (["--policy-loss", "kl-cov", "--cov-ratio", "-1"], "--cov-ratio: must be > 0"),
-    (["--policy-loss", "clip-cov", "--clip-cov-lb", "6"], "--clip-cov-lb: must be below --clip-cov-ub"),
+    (["--policy-loss", "clip-cov", "--clip-cov-lb", "6"], "--clip-cov-lb: must be below clip_cov_ub"),
     (["--cov-ratio", "0.1"], "--cov-ratio: only --policy-loss clip-cov and kl-cov read it"),
     (["--overlong-buffer", "24"], "--overlong-buffer: must be in [0, the completion limit 24)"),
     (["--overlong-buffer", "-1"], "--overlong-buffer: must be in [0, the completion limit 24)"),
