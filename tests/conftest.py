@@ -2,7 +2,10 @@
 GRPO's or PPO's loss, a tiny model, a synthetic batch of rollouts, and the flags of a run of a
 few seconds. Test files import the helpers
 (`from conftest import tiny_model`); pytest loads this file first."""
+import atexit
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -114,8 +117,17 @@ def assert_refused_in_one_line(tmp_path, capsys, argv: list, message: str) -> No
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
-def quick(tmp_path, name, *extra):
-    """train.py flags for a few steps with a small warm-up, cached in tmp_path."""
+# One warm-start cache for the whole session: each setting's warm start is built once, not once
+# a test (it was ~4 s of most tests' run). A test about the cache itself gives its own
+# (quick(..., own_cache=True), or a --cache-dir of its own after quick's: the last one wins).
+WARM_STARTS = Path(tempfile.mkdtemp(prefix="rl-lessons-warm-starts-"))
+atexit.register(shutil.rmtree, WARM_STARTS, ignore_errors=True)
+
+
+def quick(tmp_path, name, *extra, own_cache: bool = False):
+    """train.py flags for a few steps with a small warm-up, cached in the session's WARM_STARTS
+    (own_cache: in tmp_path/cache)."""
+    cache = tmp_path / "cache" if own_cache else WARM_STARTS
     return ["--steps", "3", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
             "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+            "--cache-dir", str(cache), "--out", str(tmp_path / name), *extra]

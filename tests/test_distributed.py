@@ -108,7 +108,7 @@ def test_shard_gives_each_rank_whole_groups_and_seeds_differ(monkeypatch):
 # ---- train.py under torchrun ----
 
 def test_a_batch_that_does_not_split_is_refused_before_any_work(tmp_path):
-    done = subprocess.run([*TORCHRUN, "train.py", *quick(tmp_path, "run"), "--batch", "3"],
+    done = subprocess.run([*TORCHRUN, "train.py", *quick(tmp_path, "run", own_cache=True), "--batch", "3"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode != 0
     errors = {line for line in done.stderr.splitlines() if line.startswith("train.py: error")}

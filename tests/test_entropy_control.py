@@ -9,7 +9,7 @@ import torch
 
 import grpo
 import rewards
-from conftest import assert_refused_in_one_line, configure, quick, synthetic_batch, tiny_model
+from conftest import assert_refused_in_one_line, configure, WARM_STARTS, quick, synthetic_batch, tiny_model
 from entropy_control import AdaptiveEntropy
 
 
@@ -70,7 +70,7 @@ def test_a_run_applies_what_the_controller_says_and_a_resume_continues_it(tmp_pa
     assert [r["entropy_coef"] for r in rows] == pytest.approx(expected)
     assert any(c > 0 for c in expected)                                  # the bonus did apply
     train.train(configure(quick(tmp_path, "cut", "--steps", "3", "--save-every", "3", *flags,
-                                          "--cache-dir", str(tmp_path / "cache"))))
+                                          "--cache-dir", str(WARM_STARTS))))
     train.train(config.parse_config(["--resume", str(tmp_path / "cut"), "--steps", "6"]))
     assert [r["entropy_coef"] for r in metrics(tmp_path / "cut")[1:]] == pytest.approx(expected)
 

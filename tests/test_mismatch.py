@@ -11,7 +11,7 @@ import logprobs
 import mismatch
 import rollout
 import tasks
-from conftest import assert_refused_in_one_line, configure, quick, synthetic_batch, tiny_model
+from conftest import assert_refused_in_one_line, configure, WARM_STARTS, quick, synthetic_batch, tiny_model
 from models import policy
 
 
@@ -250,7 +250,7 @@ def test_a_resumed_stale_sampler_samples_what_an_uninterrupted_one_does(tmp_path
     argv = ["--rollout-stale", "2", "--rollout-correction", "tis", "--entropy-coef", "0.01", "--lr", "0.01"]
     train.train(configure(quick(tmp_path, "whole", "--steps", "6", *argv)))
     train.train(configure(quick(tmp_path, "cut", "--steps", "3", "--save-every", "3", *argv,
-                                          "--cache-dir", str(tmp_path / "cache"))))
+                                          "--cache-dir", str(WARM_STARTS))))
     train.train(config.parse_config(["--resume", str(tmp_path / "cut"), "--steps", "6"]))
     whole, cut = metrics(tmp_path / "whole")[1:], metrics(tmp_path / "cut")[1:]
     for key in ("reward_mean", "loss", "sampling/raw_importance_ratio/mean"):

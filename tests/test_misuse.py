@@ -329,7 +329,8 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_and_a_summary_then_resume(tmp_path
 def test_ctrl_c_during_the_warm_start_is_one_line_and_leaves_nothing_behind(tmp_path):
     """Ctrl-C before the run caught signals gave a 40-line KeyboardInterrupt traceback, and left
     a folder that sent the same command to a -2 suffix. The warm start says how far it is."""
-    argv = [a for a in flags(tmp_path, "run", "--sft-steps", "800") if a != "--quiet"]
+    argv = [a for a in flags(tmp_path, "run", "--sft-steps", "800", "--cache-dir", str(tmp_path / "cache"))
+            if a != "--quiet"]
     # SIGINT as a terminal delivers it: a suite started in the background (nohup, &) ignores SIGINT,
     # and its children inherit that unless it is set back
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT, stderr=subprocess.PIPE,

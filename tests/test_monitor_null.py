@@ -7,6 +7,7 @@ import pytest
 from running import config
 import monitor
 import train
+from conftest import WARM_STARTS
 
 
 @pytest.mark.parametrize("p, n", [(0.57, 6), (0.57, 16), (0.2, 24), (0.9, 6)])
@@ -33,7 +34,7 @@ def test_the_floor_at_report_001s_warm_start():
 def test_summary_crash_floor_is_the_mean_null_probability_over_updates(tmp_path):
     argv = ["--k", "2", "--batch", "3", "--norm", "group", "--steps", "6", "--eval-every", "6",
             "--eval-samples", "1", "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+            "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / "run")]
     summary = train.train(config.parse_config(argv))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     expected = sum(monitor.false_collapse_given(a["valid_rate"], 6)

@@ -9,7 +9,7 @@ from running import config
 import logprobs
 import ppo
 import train
-from conftest import configure, ppo_update, quick, synthetic_batch, tiny_model
+from conftest import configure, ppo_update, WARM_STARTS, quick, synthetic_batch, tiny_model
 from ppo import PPOParams
 
 
@@ -123,7 +123,7 @@ def test_target_kl_stops_the_epochs_early():
 def flags(tmp_path, name, *extra):
     return ["--algo", "ppo", "--steps", "4", "--batch", "2", "--k", "4", "--eval-every", "2",
             "--eval-samples", "1", "--sft-steps", "30", "--hidden", "16", "--layers", "1",
-            "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+            "--quiet", "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / name), *extra]
 
 
 def test_ppo_smoke_run_logs_the_critic_metrics(tmp_path):

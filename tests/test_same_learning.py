@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import WARM_STARTS
 
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -63,7 +64,7 @@ def run(name: str, tmp: Path) -> list[dict]:
     from running import config
     import train
     flags = f"{COMMON} {RUNS[name]}".split()
-    argv = flags + ["--cache-dir", str(tmp / "cache"), "--out", str(tmp / name)]
+    argv = flags + ["--cache-dir", str(WARM_STARTS), "--out", str(tmp / name)]
     train.train(config.parse_config(argv))
     rows = [json.loads(line) for line in open(tmp / name / "metrics.jsonl")]
     for row in rows:

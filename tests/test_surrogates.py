@@ -8,8 +8,7 @@ import torch
 import grpo
 import surrogates
 from rollout import Rows
-from conftest import assert_refused_in_one_line, configure, quick
-
+from conftest import assert_refused_in_one_line, configure, WARM_STARTS, quick
 
 def inputs(seed=0, n=6, c=5):
     gen = torch.Generator().manual_seed(seed)
@@ -306,7 +305,7 @@ def clip_run(tmp_path_factory):
     import train
     tmp = tmp_path_factory.mktemp("surrogates")
     train.train(configure(quick(tmp, "clip", *BASE)))
-    BASE.extend(["--cache-dir", str(tmp / "cache")])       # the other runs start from the same warm start
+    BASE.extend(["--cache-dir", str(WARM_STARTS)])       # the other runs start from the same warm start
     return metrics(tmp / "clip")
 
 

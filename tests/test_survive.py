@@ -16,7 +16,7 @@ from running import config
 import monitor
 import train
 from tasks import workflow_task
-from conftest import quick
+from conftest import WARM_STARTS, quick
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ def flags(tmp_path, name, *extra):
     return ["--steps", "4", "--batch", "2", "--k", "4", "--eval-every", "2", "--eval-samples", "1",
             "--sft-steps", "30", "--hidden", "16", "--layers", "1", "--beta", "0.01", "--quiet",
             "--entropy-coef", "0.01",  # a gradient on every update, even when all rewards tie
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / name), *extra]
+            "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / name), *extra]
 
 
 def read(path):
@@ -268,7 +268,7 @@ def test_non_finite_numbers_are_logged_as_null_and_named(tmp_path):
 def test_a_damaged_warm_start_cache_is_moved_aside_and_built_again(damage, tmp_path, capsys):
     """A warm-start cache entry without its config.json, or with its weights cut short,
     gave a traceback, then "Directory not empty" on the retry."""
-    argv = quick(tmp_path, "a", "--steps", "1")
+    argv = quick(tmp_path, "a", "--steps", "1", own_cache=True)
     train.train(config.parse_config(argv))
     (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     if damage == "config":
@@ -276,7 +276,7 @@ def test_a_damaged_warm_start_cache_is_moved_aside_and_built_again(damage, tmp_p
     else:
         weights = entry / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    summary = train.train(config.parse_config(quick(tmp_path, "b", "--steps", "1")))
+    summary = train.train(config.parse_config(quick(tmp_path, "b", "--steps", "1", own_cache=True)))
     assert summary["steps"] == 1
     assert "did not load" in capsys.readouterr().err
     assert (entry / "config.json").is_file() and list((tmp_path / "cache").glob("*.damaged-*"))

@@ -19,6 +19,7 @@ from tasks import tool_task
 import train
 from logprobs import Tokens
 from tool_env import STOP_STRINGS, ToolEnv
+from conftest import WARM_STARTS
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_rates_count_calls_failures_and_answers():
 def test_train_runs_the_tool_task_and_logs_tool_metrics(tmp_path):
     argv = ["--task", "tools", "--reward", "sparse", "--steps", "2", "--batch", "2", "--k", "4",
             "--eval-every", "2", "--eval-samples", "1", "--sft-steps", "20", "--hidden", "16",
-            "--layers", "1", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+            "--layers", "1", "--quiet", "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / "run")]
     summary = train.train(config.parse_config(argv))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     for key in ["accuracy", "tool_calls", "tool_success_rate", "failure/malformed_json",
@@ -160,7 +161,7 @@ def test_train_runs_the_tool_task_and_logs_tool_metrics(tmp_path):
 def test_ppo_runs_the_tool_task_with_the_reward_on_each_episode_s_last_policy_token(tmp_path):
     argv = ["--algo", "ppo", "--task", "tools", "--reward", "shaped", "--steps", "2", "--batch", "2",
             "--k", "4", "--eval-every", "2", "--eval-samples", "1", "--sft-steps", "20", "--hidden", "16",
-            "--layers", "1", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+            "--layers", "1", "--quiet", "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / "run")]
     c = config.parse_config(argv)
     summary = train.train(c)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

@@ -9,7 +9,7 @@ import grpo
 from models import policy
 import train
 from tasks import workflow_task
-from conftest import configure, quick
+from conftest import configure, WARM_STARTS, quick
 
 REQUIRED = ["step", "reward_mean", "reward_std", "valid_rate", "best_rate", "fallback_rate",
             "frac_reward_zero_std", "adv_abs_mean", "frac_adv_pm1", "loss", "kl", "entropy",
@@ -134,7 +134,7 @@ def test_one_non_finite_mini_batch_of_four_still_counts_as_an_update(tmp_path, m
     argv = ["--steps", "1", "--batch", "2", "--k", "4", "--mini-batch", "2", "--kl-coef", "0.05",
             "--eval-samples", "1",
             "--sft-steps", "20", "--hidden", "16", "--layers", "1", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]
+            "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / "run")]
     summary = train.train(config.parse_config(argv))
     row = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1]
     assert row["steps_taken"] == 3 and row["skipped_nonfinite"] == 1 and row["updated"] is True
