@@ -52,7 +52,8 @@ def summary_md(results: dict) -> str:
     parts = [head]
     for name, r in results.items():
         fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
-        when = f"{r.get('date', '?')}, {r.get('seeds', '?')} seeds" + \
+        seeds = f"{r['seeds']} seeds" if r.get("seeds") else "no runs of its own"
+        when = f"{r.get('date', '?')}, {seeds}" + \
             (", QUICK: a smoke test, not a result" if r.get("quick") else "")
         source = f"report {r['report']}" if re.match(r"\d{3}\b", r["report"]) else r["report"]   # or the papers
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
@@ -109,8 +110,9 @@ def main(argv=None):
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)
-        entry = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,
-                     date=time.strftime("%Y-%m-%d"), seeds=lab.seeds, quick=args.quick)
+        lab.seeds_ran = set()
+        entry = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,   # seeds: those it ran (None: no runs)
+                     date=time.strftime("%Y-%m-%d"), seeds=len(lab.seeds_ran) or None, quick=args.quick)
         mark = "QUICK, a smoke test and not a verdict: " if args.quick else ""
         print(f"{name}: {mark}{entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry)                                        # after every experiment

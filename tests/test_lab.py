@@ -26,6 +26,8 @@ def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path, capsys
         if r["figure"]:
             assert (tmp_path / r["figure"]).is_file(), r["figure"]
     assert summary["k2_pm1"]["verdict"] == "reproduced"          # arithmetic, not noise
+    # each entry is stamped with the seeds it ran (collapse_rate's own range, cut to 2 by --quick), or none
+    assert summary["collapse_rate"]["seeds"] == 2 and summary["k2_pm1"]["seeds"] is None
     runs = list((tmp_path / "group_norm" / "runs").glob("*/s1/metrics.jsonl"))
     assert len(runs) == 8          # the moderate-lr settings, one seed-1 run each
 
