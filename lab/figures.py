@@ -3,6 +3,8 @@ distributions, bars over seeds, and report 002's monitor on a run's curves.
 
     python -m lab.figures         # results/k2_pm1/advantages.png, the K=2 +-1 spikes, and its table
 """
+import itertools
+import math
 import textwrap
 from pathlib import Path
 
@@ -27,6 +29,35 @@ def sample_rewards(n_batches: int, n: int, mix: dict, seed: int = 0) -> torch.Te
     probs = torch.tensor(list(mix.values()))
     idx = torch.multinomial(probs, n_batches * n, replacement=True, generator=gen)
     return values[idx].view(n_batches, n)
+
+
+# The estimators whose advantages depend only on how many of each reward a group holds (these)
+# or the batch holds (global): their shares can be computed exactly, by enumerating those counts.
+BY_GROUP = ("group", "drgrpo", "rloo", "none")
+
+
+def compositions(n: int, parts: int):
+    """Every way to count n draws into `parts` kinds: (c_1, ..., c_parts), summing to n."""
+    for cut in itertools.combinations(range(n + parts - 1), parts - 1):
+        edges = (-1, *cut, n + parts - 1)
+        yield tuple(b - a - 1 for a, b in zip(edges, edges[1:]))
+
+
+def exact_shares(norm: str, k: int, n: int = 48, mix: dict = REPORT_001_MIX):
+    """(share of advantages with |A| = 1, share of zero-variance groups), exactly, for rewards
+    drawn i.i.d. from mix: the expectation over every count of each reward in a group of K (or,
+    for global, in the batch of N), each weighted by its multinomial probability. None for
+    batch and reinforce++-baseline, which depend on how the batch splits into groups."""
+    if norm not in (*BY_GROUP, "global"):
+        return None
+    size, values, probs = (n if norm == "global" else k), list(mix), list(mix.values())
+    pm1 = zero = 0.0
+    for counts in compositions(size, len(values)):
+        p = math.factorial(size) * math.prod(q ** c / math.factorial(c) for q, c in zip(probs, counts))
+        r = torch.tensor([v for v, c in zip(values, counts) for _ in range(c)])
+        pm1 += p * adv.frac_pm1(adv.compute(r, size if norm != "global" else k, norm))
+        zero += p * (max(counts) == size)
+    return pm1, (zero if norm != "global" else exact_shares("group", k, n, mix)[1])
 
 
 def advantage_grid(ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batches=500, seed=0):
@@ -126,14 +157,20 @@ def plot_monitor(path: Path, rows: list, title: str) -> Path:
 
 
 def main() -> None:
-    """Lesson 1's figure and its table: the share of |A| = 1 (and of zero-variance groups)."""
+    """Lesson 1's figure and its table: the share of |A| = 1 (and of zero-variance groups),
+    exact where the counts decide it (exact_shares), else over the figure's 500 simulated
+    batches (marked ~)."""
     out = Path("results/k2_pm1/advantages.png")
     grid = plot_advantages(out)
     print(f"wrote {out}")
-    print("share of advantages with |A| == 1 (zero-variance groups), by norm and K:")
+    print("share of advantages with |A| == 1 (zero-variance groups), by norm and K; ~ simulated:")
     for norm in adv.NORMS:
-        cells = "  ".join(f"K={k}: {grid[(norm, k)][1]:5.1%} ({grid[(norm, k)][2]:4.0%})" for k in (2, 4, 8, 16))
-        print(f"  {norm:7s} {cells}")
+        cells = []
+        for k in (2, 4, 8, 16):
+            exact = exact_shares(norm, k)
+            pm1, zero = exact if exact else grid[(norm, k)][1:]
+            cells.append(f"K={k}: {'' if exact else '~'}{pm1:5.1%} ({zero:4.0%})")
+        print(f"  {norm:20s} {'  '.join(cells)}")
 
 
 if __name__ == "__main__":

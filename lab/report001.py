@@ -13,13 +13,14 @@ from lab.common import Lab, mean, end, metric_rows
 
 def k2_pm1(lab: Lab) -> dict:
     """Advantage distributions for K = 2, 4, 8, 16 under each norm (report 001)."""
-    grid = figures.plot_advantages(lab.dir("k2_pm1") / "advantages.png")
-    pm1 = {k: grid[("group", k)][1] for k in (2, 4, 8, 16)}
-    zero = grid[("group", 2)][2]
+    figures.plot_advantages(lab.dir("k2_pm1") / "advantages.png")
+    exact = {k: figures.exact_shares("group", k) for k in (2, 4, 8, 16)}     # by enumeration, not sampled
+    pm1, zero = {k: share for k, (share, _) in exact.items()}, exact[2][1]
     nonzero_pm1 = pm1[2] / (1 - zero) if zero < 1 else float("nan")
     return dict(report="001", figure="k2_pm1/advantages.png",
                 claim="with K=2, (r - mean) / std gives every advantage exactly +1 or -1, whatever the reward gap",
-                measured=f"group norm, K=2: {pm1[2]:.1%} of advantages are exactly ±1 and the rest are 0 "
+                measured=f"exactly, over report 001's reward mix: group norm, K=2: {pm1[2]:.1%} of advantages "
+                         f"are exactly ±1 and the rest are 0 "
                          f"(zero-variance groups, {zero:.1%} of groups); K=4: {pm1[4]:.1%}, K=8: {pm1[8]:.1%}, "
                          f"K=16: {pm1[16]:.1%}",
                 # rule: every advantage of a non-zero-variance K=2 group is +-1

@@ -188,3 +188,16 @@ def test_a_comparison_figure_draws_each_setting_as_its_mean_and_spread_over_the_
     for seed, v in enumerate((0.2, 0.1, -900.0)):           # one seed's wild value: the median stays on the axis
         (tmp_path / f"s{seed}" / "metrics.jsonl").write_text(json.dumps({"step": 1, "explained_variance": v}) + "\n")
     assert compare.band(runs, "explained_variance", statistics.median)[1:] == ([0.1], [-900.0], [0.2])
+
+
+def test_lesson_1s_shares_are_exact_by_enumeration():
+    """K=2 group norm: a group is +-1 unless its two rewards are equal, so the share is
+    1 - sum p^2 by hand; K=8's exact share (5.5%) is what 500 simulated batches put at 4.6%."""
+    from lab import figures
+    p = list(figures.REPORT_001_MIX.values())
+    pm1, zero = figures.exact_shares("group", 2)
+    assert zero == pytest.approx(sum(q * q for q in p)) and pm1 == pytest.approx(1 - sum(q * q for q in p))
+    assert figures.exact_shares("none", 4)[0] == pytest.approx(figures.REPORT_001_MIX[1.0])   # A = r: |A| = 1 iff r = 1
+    assert len(list(figures.compositions(16, 3))) == 153                                     # C(18, 2)
+    assert figures.exact_shares("group", 8)[0] == pytest.approx(0.0549, abs=5e-4)
+    assert figures.exact_shares("batch", 2) is None                   # depends on the groups' arrangement
