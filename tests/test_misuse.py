@@ -199,8 +199,8 @@ def test_the_same_runs_summarised_again_keep_their_date_and_seconds(tmp_path, mo
     2835 s its runs took, and today's date over the day they ran."""
     entry = dict(report="001", claim="c", measured="m", verdict="v", figure=None)
     (tmp_path / "summary.json").write_text(json.dumps({"first": dict(entry, seconds=2835.0, date="2026-11-20",
-                                                                      seeds=6, quick=False)}))
-    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry)})
+                                                                      seeds=None, quick=False)}))
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry)})   # it runs no seeds of its own
     lab.main(["first", "--out", str(tmp_path)])
     kept = json.loads((tmp_path / "summary.json").read_text())["first"]
     assert (kept["seconds"], kept["date"]) == (2835.0, "2026-11-20")
