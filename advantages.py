@@ -64,8 +64,8 @@ class Knobs:
     k: int = field(default=8, metadata={"help": "samples per prompt (K); group norms need K >= 2", "max": 4096})
     norm: str = field(default="global", metadata={"help": "advantage estimator", "choices": NORMS,
                                                    "algos": ("grpo",)})
-    unbiased: bool = field(default=False, metadata={"flag": False, "help": "Bessel-corrected std in the advantage (TRL/verl "
-                                                    "habit; K=2 -> +-0.71)", "algos": ("grpo",)})
+    unbiased: bool = field(default=False, metadata={"help": "Bessel-corrected std in the advantage (TRL/verl "
+                                                    "habit; K=2 -> +-0.71)", "algos": ("grpo",), "flag": False})
     adv_clip: float = field(default=0.0, metadata={"help": "clamp advantages to [-c, c]; 0 = off", "min": 0,
                                                    "algos": ("grpo",)})
 

@@ -35,8 +35,8 @@ class Knobs:
         "help": "adaptive entropy control (Skywork-OR1, TRL's use_adaptive_entropy): the bonus applies while the "
                 "token entropy is at or below this, its weight moving from --entropy-coef by entropy_coef_delta "
                 "a step; 0 = off", "min": 0, "algos": ("grpo", "ppo")})
-    entropy_coef_delta: float = field(default=0.005, metadata={"flag": False, "help": "--entropy-target: how far the bonus's "
-                                      "weight moves per step (> 0)", "max": 100.0, "needs": "entropy_target"})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "--entropy-target: how far the bonus's weight "
+                                      "moves per step (> 0)", "max": 100.0, "needs": "entropy_target", "flag": False})
 
 
 def problems(cfg):

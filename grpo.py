@@ -72,8 +72,8 @@ class Knobs:
                 "seq-mean-token-mean)", "choices": RATIO_LEVELS})
     loss_agg: str = field(default="token-mean", metadata={"help": "how per-token losses are averaged (aggregate)",
                                                           "choices": AGGREGATIONS, "algos": ("grpo", "ppo")})
-    skip_all_fallback: bool = field(default=False, metadata={"flag": False, "help": "report 001's guard: no update when every "
-                                                             "sample is fallback text"})
+    skip_all_fallback: bool = field(default=False, metadata={"help": "report 001's guard: no update when every "
+                                                             "sample is fallback text", "flag": False})
 
 
 def problems(cfg):

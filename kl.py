@@ -85,8 +85,8 @@ class Knobs:
                             "(report 003's code: x1.5 / /1.5 on the update's KL between old and new policy) or "
                             "proportional (Ziegler et al., as TRL/verl/OpenRLHF)", "choices": CONTROLS})
     kl_target: float = field(default=0.01, metadata={"help": "ratio and proportional control: the KL target"})
-    kl_horizon: float = field(default=10000.0, metadata={"flag": False, "help": "proportional control: beta *= 1 + clip(KL/target "
-                                                         "- 1, +-0.2) * N / horizon"})
+    kl_horizon: float = field(default=10000.0, metadata={"help": "proportional control: beta *= 1 + clip(KL/target "
+                                                         "- 1, +-0.2) * N / horizon", "flag": False})
     kl_target_min: float = field(default=0.01, metadata={"help": "range control: lower beta below this KL"})
     kl_target_max: float = field(default=0.1, metadata={"help": "range control: raise beta above this KL"})
     kl_estimator: str = field(default="auto", metadata={"help": "per-token KL estimator; auto = k1 in the reward, "

@@ -56,11 +56,11 @@ class Knobs:
         "help": "correct the mismatch: tis (truncated IS, min(w, C_max)) or mis (masked IS / ICEPOP: w outside "
                 "[C_min, C_max] drops its token), w = pi_old / pi_sampler", "choices": CORRECTIONS,
         "algos": ("grpo", "ppo")})
-    rollout_correction_level: str = field(default="token", metadata={"flag": False, 
+    rollout_correction_level: str = field(default="token", metadata={
         "help": "the correction's weight per token, or per sequence (the geometric mean of its tokens')",
-        "choices": LEVELS, "needs": "rollout_correction"})
-    rollout_c_min: float = field(default=0.5, metadata={"flag": False, "help": "--rollout-correction mis: a weight below this "
-                                                        "drops its token", "needs": "rollout_correction"})
+        "choices": LEVELS, "needs": "rollout_correction", "flag": False})
+    rollout_c_min: float = field(default=0.5, metadata={"help": "--rollout-correction mis: a weight below this "
+                                                        "drops its token", "needs": "rollout_correction", "flag": False})
     rollout_c_max: float = field(default=3.0, metadata={"help": "--rollout-correction tis: the cap; mis: a weight "
                                  "above this drops its token (> 1)", "max": 1e4, "needs": "rollout_correction"})
     log_mismatch: bool = field(default=False, metadata={"help": "record the sampler's log-probs and log the "

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 @dataclass
 class Knobs:
     """Report 002's monitor: alerts on entropy, KL and reward swings, and the collapse count."""
-    alert_entropy: float = field(default=0.5, metadata={"flag": False, "help": "alert when the token-mean entropy falls below "
-                                                        "this (report 002)", "min": 0})
+    alert_entropy: float = field(default=0.5, metadata={"help": "alert when the token-mean entropy falls below "
+                                                        "this (report 002)", "min": 0, "flag": False})
     stop_on_alert: bool = field(default=False, metadata={"help": "stop the run (with a checkpoint) at the "
                                                          "monitor's first alert"})
 

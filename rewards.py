@@ -35,10 +35,10 @@ class Knobs:
     reward: str = field(default="shaped", metadata={
         "help": "tools task: sparse +-1, report 000's shaped reward, or the format reward; dsl task: shaped "
                 "(report 001's 1 / 0.2 / 0) or composite (report 003's)", "choices": ("sparse", "shaped", "format", "composite")})
-    reward_clip: float = field(default=0.0, metadata={"flag": False, "help": "tools task: clamp the shaped reward to [-c, c]; "
-                                                      "0 = off", "min": 0})
-    drop_process_reward: bool = field(default=False, metadata={"flag": False, "help": "tools task: leave the tool's process "
-                                                               "reward out (report 000's bug)"})
+    reward_clip: float = field(default=0.0, metadata={"help": "tools task: clamp the shaped reward to [-c, c]; "
+                                                      "0 = off", "min": 0, "flag": False})
+    drop_process_reward: bool = field(default=False, metadata={"help": "tools task: leave the tool's process "
+                                                               "reward out (report 000's bug)", "flag": False})
     overlong_buffer: int = field(default=0, metadata={"help": "DAPO's overlong shaping: a completion longer than "
                                  "the token limit minus this many tokens loses up to 1 reward, linearly "
                                  "(overlong_penalty); 0 = off", "algos": ("grpo",)})

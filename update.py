@@ -44,8 +44,8 @@ class Knobs:
                             "torchrun; HyperParams holds this rank's share); 0 = all N (one step per epoch)", "min": 0})
     micro_batch: int = field(default=0, metadata={"help": "sequences per forward/backward (gradient "
                              "accumulation), per rank under torchrun; 0 = the whole mini-batch", "min": 0})
-    target_kl: float = field(default=0.0, metadata={"flag": False, "help": "stop an update's epochs once approx_kl passes this "
-                             "(CleanRL); 0 = off", "min": 0, "algos": ("grpo", "ppo")})
+    target_kl: float = field(default=0.0, metadata={"help": "stop an update's epochs once approx_kl passes this "
+                             "(CleanRL); 0 = off", "min": 0, "algos": ("grpo", "ppo"), "flag": False})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm; 0 = off", "min": 0})
     fast: bool = field(default=False, metadata={"help": "the fast path: old log-probs from the update's own "
                        "forward (GRPO, one update per batch), micro-batches sorted by length and cut to their "
