@@ -169,7 +169,7 @@ def main() -> None:
         for k in (2, 4, 8, 16):
             exact = exact_shares(norm, k)
             pm1, zero = exact if exact else grid[(norm, k)][1:]
-            cells.append(f"K={k}: {'' if exact else '~'}{pm1:5.1%} ({zero:4.0%})")
+            cells.append(f"K={k}: {'' if exact else '~'}{pm1:5.1%} ({zero:5.1%})")
         print(f"  {norm:20s} {'  '.join(cells)}")
 
 

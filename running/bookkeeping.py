@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 import logprobs
 import monitor
 import rollout
-from running import checkpoint, config, distributed, evaluate, report
+from running import checkpoint, distributed, evaluate, report
 
 if TYPE_CHECKING:
     from running.session import Run

@@ -14,7 +14,6 @@ only --steps (to extend the run) and --quiet may be given with it.
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
