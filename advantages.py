@@ -49,7 +49,8 @@ Conventions (chosen, not laws; the tests show the alternatives):
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from distributed import all_sum
 
 NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "none")
 GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo")  # these need K >= 2
@@ -74,33 +75,6 @@ def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
     if group_size_problem(cfg.k, cfg.norm):
         yield "k", group_size_problem(cfg.k, cfg.norm)
-
-
-# ---- under torchrun: a sum over processes (the identity in one process) ----
-
-def world_size() -> int:
-    """W, the processes training together (torchrun's process group), or 1."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over every process (a new tensor on x's device); x itself in one process."""
-    return all_reduce(x, dist.ReduceOp.SUM)
-
-
-def all_max(x: torch.Tensor) -> torch.Tensor:
-    """x's elementwise maximum over every process; x itself in one process."""
-    return all_reduce(x, dist.ReduceOp.MAX)
-
-
-def all_reduce(x: torch.Tensor, op) -> torch.Tensor:
-    """x reduced by op over every process. nccl (GPUs) reduces tensors on the GPU, gloo (CPUs)
-    on the CPU."""
-    if world_size() == 1:
-        return x
-    y = x.detach().clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(y, op=op)
-    return y.to(x.device)
 
 
 # ---- checks and small helpers ----

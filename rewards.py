@@ -24,7 +24,7 @@ lands. Nothing here raises on any string: the parser returns None for what it ca
     python -c "import rewards; print(rewards.classify('Custom -> Review ? Revise : done', 'Custom -> Review ? Revise : done'))"
 """
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import tool_env
 
@@ -238,7 +238,7 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float = 1.0
     return min(0.0, ((max_len - buffer) - length) / buffer) * factor
 
 
-def mask_truncated(batch) -> None:
+def mask_truncated(batch):
     """DAPO's overlong filtering (TRL's mask_truncated_completions): a completion cut at the
     token limit never said it was done, so its reward scores a text that stops mid-answer;
     leave it out of the loss instead of punishing or rewarding it:
@@ -248,7 +248,8 @@ def mask_truncated(batch) -> None:
     Its tokens stay in the context the others do not see anyway (each row is its own
     sequence), its reward still enters its group's advantage, but none of its tokens is
     trained on, nor counted in the loss's denominator. batch: a rollout.Rollout with
-    `truncated` (N,); its attention is kept as it was."""
-    if batch.completion_attn is None:              # the mask doubled as the attention: keep that apart
-        batch.completion_attn = batch.completion_mask.clone()
-    batch.completion_mask = batch.completion_mask * (~batch.truncated.bool()).unsqueeze(1).to(batch.completion_mask.dtype)
+    `truncated` (N,). Returns the batch the update trains on, a copy with that mask and the
+    attention as it was; batch itself is left whole for the step's metrics."""
+    keep = (~batch.truncated.bool()).unsqueeze(1).to(batch.completion_mask.dtype)          # (N, 1)
+    attn = batch.completion_mask if batch.completion_attn is None else batch.completion_attn   # the mask
+    return replace(batch, completion_mask=batch.completion_mask * keep, completion_attn=attn)

@@ -32,10 +32,13 @@ torchrun each rank runs this file on its share of the prompts (docs/lessons/6-to
 import copy
 import dataclasses
 import sys
+import time
 from typing import Callable
 
 import torch
 
+import distributed
+import diagnostics
 import dynamic_sampling
 import grpo
 import kl
@@ -44,11 +47,12 @@ import ppo
 import rce
 import rewards
 import rollout
+import schedules
 import update
-from running import checkpoint, distributed, report, schedules
+from running import checkpoint
 from running.bookkeeping import end_step
 from running.config import Config, fail, parse_config
-from running.session import Learner, Run, RankLost, begin_step, difficulty, draw_prompts, open as open_run
+from running.session import Learner, Run, RankLost, open as open_run
 from running.session import stopped_at_once
 from models import pretrained
 
@@ -104,10 +108,10 @@ def sample_rollouts(learner: Learner, prompts: list, hp: grpo.HyperParams, draw:
 def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callable):
     """One step on B prompts: rollout -> reward -> advantage -> update (GRPO, PPO or RCE).
 
-    draw() gives B fresh prompts (--dynamic-sampling's further rounds). Returns the batch
-    (rollout.Rollout), the rollouts' outcomes (the task's: classes or episodes), their
-    prompts, the step's rollout metrics (report.rollout_metrics) and the update's statistics
-    (report.no_update's when no update was taken)."""
+    draw() gives B fresh prompts (--dynamic-sampling's further rounds). Returns the batch the
+    update trained on (rollout.Rollout), the rollouts' outcomes (the task's: classes or
+    episodes), their prompts, the step's metrics (diagnostics.rollout_metrics) and the update's
+    statistics (diagnostics.no_update's when no update was taken)."""
     batch, outcomes, prompts, extra = sample_rollouts(learner, prompts, hp, draw)
     # Under torchrun every decision that skips work is taken by all ranks together
     # (distributed.any_rank), or one rank would wait forever in a collective the others skip.
@@ -120,21 +124,21 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
         mismatch.weigh(batch, hp)                  # --rollout-correction: each token's weight pi_old / pi_sampler
     else:                                          # the bad rewards never reach a metric
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
-    row = dict(report.rollout_metrics(batch, outcomes, learner.task, hp), **extra)
-    if hp.mask_truncated:            # DAPO: completions cut at the limit leave the loss (after the metrics read them)
-        rewards.mask_truncated(batch)
-    row["update_skipped"] = why_no_update(batch, row, hp, finite)
-    stats = report.no_update("reward") if not finite else report.no_update()
-    if row["update_skipped"] is None:
+    # DAPO: completions cut at the limit leave the loss (a copy; the metrics read the whole batch)
+    trained = rewards.mask_truncated(batch) if hp.mask_truncated else batch
+    skipped = why_no_update(trained, outcomes, extra, hp, finite)
+    stats = diagnostics.no_update("reward") if not finite else diagnostics.no_update()
+    if skipped is None:
         with learner.autocast():
-            stats = update.update(learner.scorer, learner.optimizer, batch, hp, algo.loss)
+            stats = update.update(learner.scorer, learner.optimizer, trained, hp, algo.loss)
+    row = dict(diagnostics.rollout_metrics(batch, outcomes, learner.task, hp), **extra, update_skipped=skipped)
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")
-    return batch, outcomes, prompts, row, stats
+    return trained, outcomes, prompts, row, stats
 
 
-def why_no_update(batch, row: dict, hp: grpo.HyperParams, finite: bool) -> str | None:
+def why_no_update(batch, outcomes: list, extra: dict, hp: grpo.HyperParams, finite: bool) -> str | None:
     """Why this step takes no update, or None; the same answer on every rank (any_rank), or one
     rank would wait forever in a collective the others skip.
 
@@ -148,16 +152,23 @@ def why_no_update(batch, row: dict, hp: grpo.HyperParams, finite: bool) -> str |
     all_fallback       report 001's guard (skip_all_fallback): every sample is fallback text"""
     if not finite:
         return "non_finite_reward"
-    if row.get("groups_kept") == 0:
+    if extra.get("groups_kept") == 0:
         return "no_group_kept"
     if hp.mask_truncated and not distributed.any_rank(bool(batch.completion_mask.any())):
         return "all_truncated"
     if hp.algo == "grpo" and hp.beta == 0 and hp.entropy_coef == 0 \
             and not distributed.any_rank((batch.advantages != 0).any()):
         return "no_signal"
-    if hp.skip_all_fallback and row.get("fallback_rate") == 1.0:          # the whole batch's
-        return "all_fallback"
+    if hp.skip_all_fallback and not distributed.any_rank(not all(c == "fallback" for c in outcomes)):
+        return "all_fallback"                                                # the whole batch's
     return None
+
+
+def draw_prompts(run: Run, difficulty: int) -> list:
+    """A step's B training prompts of a difficulty (this rank's share of them under torchrun)."""
+    train, b = run.prompts["train"][difficulty], run.cfg.batch
+    prompts = run.rng.sample(train, b) if b <= len(train) else run.rng.choices(train, k=b)
+    return distributed.shard(prompts)                # torchrun: this rank's B/W of them, groups whole
 
 
 def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
@@ -210,15 +221,20 @@ def train(cfg: Config) -> dict:
     with open_run(cfg, reference_and_optimizer) as run:   # load, resume, logs, lock, signals; the summary after
         task = run.learner.task
         for step in range(run.state.step + 1, cfg.steps + 1):
-            begin_step(run, step)
+            run.step_started = time.time()
+            if distributed.launched():                     # torchrun: this rank's own sampling seed
+                torch.manual_seed(distributed.sampling_seed(cfg.seed, step))
             hp = step_hyper_params(run, step)
-            level = difficulty(run, step)                  # --difficulty, or the curriculum's phase
+            # --difficulty, or the curriculum's phase: never below the last step's (a curriculum
+            # resumed with more --steps stretches its phases, and would otherwise step back)
+            level = schedules.difficulty_at(step, cfg.steps, cfg.difficulty, cfg.curriculum)
+            level = run.state.difficulty = max(level, run.state.difficulty)
             prompts = draw_prompts(run, level)             # this rank's share, under torchrun
             try:
                 batch, outcomes, prompts, row, stats = rl_step(run.learner, prompts, hp,
                                                                lambda: draw_prompts(run, level))
             except rollout.NonFiniteLogits:                # nothing could be sampled: a non-finite step
-                batch, outcomes, row, stats = None, None, report.no_rollout(task), report.no_update("logits")
+                batch, outcomes, row, stats = None, None, diagnostics.no_rollout(task), diagnostics.no_update("logits")
             row = {"step": step, **row, "lr": run.learner.optimizer.param_groups[0]["lr"],
                    "entropy_coef": hp.entropy_coef, **({"rce_temp": hp.rce_temp} if hp.algo == "rce" else {}),
                    **({"difficulty": level} if task.MAX_DIFFICULTY > 1 else {})}

@@ -64,7 +64,7 @@ import train
 class Launch:
     """How each run is started."""
     jobs: int = 1        # runs at a time, each a process of its own when > 1
-    nproc: int = 1       # processes per run: > 1 starts each run under torchrun (running/distributed.py)
+    nproc: int = 1       # processes per run: > 1 starts each run under torchrun (distributed.py)
     alone: bool = False  # each run a new process, gone when it ends (its memory freed, its peak its own)
 
 

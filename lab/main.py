@@ -24,6 +24,7 @@ from pathlib import Path
 import transformers
 
 from running import config
+from models import pretrained
 from running import checks
 from lab.common import Lab
 from lab.report000 import critic, curriculum, tools
@@ -81,7 +82,7 @@ def main(argv=None):
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.model:
-        problem = checks.validate_model(args.model)
+        problem = pretrained.problem(args.model)
         if problem:
             p.error(f"--model: {problem}")
     if args.list:

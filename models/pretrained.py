@@ -115,6 +115,43 @@ def not_a_hub_id(name: str) -> str | None:
     return None
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+           "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def problem(name: str) -> str | None:
+    """Why --model name cannot be used, or None: a named model, a loadable folder, or
+    something of the form of a hub id (whether the hub has it is known only when asked)."""
+    if name in NAMED:
+        return None
+    if Path(name).exists():
+        return folder_problem(Path(name))
+    return not_a_hub_id(name)
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why a --model folder cannot be loaded, or None: it needs a config.json that parses,
+    weights, and a tokenizer."""
+    if not path.is_dir():
+        return "not a folder"
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except OSError:
+        return "no readable config.json"
+    except ValueError as e:
+        return f"config.json is not valid JSON ({e})"
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        return "config.json names no model_type"
+    if not any((path / name).is_file() for name in WEIGHTS):
+        return f"no weights (none of {', '.join(WEIGHTS)})"
+    if cut_short(path):
+        return cut_short(path)
+    if not any((path / name).is_file() for name in TOKENIZER):
+        return f"no tokenizer (none of {', '.join(TOKENIZER)})"
+    return None
+
+
 def hub_model(name: str, log=print) -> Path:
     """A hub id ('org/name'), downloaded by huggingface_hub into its cache; one clear line when
     the hub cannot be reached (or HF_HUB_OFFLINE=1 and it is not cached)."""

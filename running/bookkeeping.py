@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 
+import diagnostics
+import distributed
 import logprobs
 import monitor
 import rollout
-from running import checkpoint, distributed, evaluate, report
+from running import checkpoint, evaluate, report
 
 if TYPE_CHECKING:
     from running.session import Run
@@ -56,19 +58,12 @@ class RunState:
     best_eval: dict | None = None    # ... its eval_*
     best_checkpoint: str | None = None   # its checkpoint, relative to the run (--early-stop-patience)
     evals_since_best: int = 0
-    monitor: dict | None = None      # the state dicts of the monitor, the KL controller and
-    kl_control: dict | None = None   # the value head and the adaptive entropy control, at the last save
-    value_head: dict | None = None
-    entropy_control: dict | None = None
-    rollout_policy: dict | None = None   # --rollout-stale: the sampler's older weights (mismatch.py)
     pending_row: dict | None = None  # a stop's metrics line, kept in the checkpoint that precedes its
                                      # evaluation: a kill during it (torchrun's SIGKILL) loses no step
 
     @classmethod
     def from_checkpoint(cls, saved: dict) -> "RunState":
-        if "prev" in saved:          # the key of checkpoints written before RunState
-            raise checkpoint.ResumeError("--resume: the checkpoint was written by an older version of train.py; "
-                                         "start the run again")
+        """The state a checkpoint kept (checkpoint.restore's "loop"), less why the run stopped."""
         names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted", "early_stopped"}
         return cls(**{k: v for k, v in saved.items() if k in names})
 
@@ -153,24 +148,13 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
 
 
 def say_once(run: Run, row: dict) -> None:
-    """The silent no-ops users keep reporting, said once in plain words at the step they happen:
-    every completion cut at the token limit (TRL #5697: too short a limit, and reward, loss and
-    grad_norm sit at 0), and every group of one reward (TRL #3452: the advantages are all 0,
-    every ratio is 1 in the first epoch, so the loss is 0 and nothing is learned). Not with
-    --quiet: metrics.jsonl's completions/clipped_ratio and frac_reward_zero_std keep them."""
-    step, cfg = row["step"], run.cfg
-    if row.get("completions/clipped_ratio") == 1.0 and "all_clipped" not in run.said:
-        run.said.add("all_clipped")
-        run.log(f"step {step}: every completion was cut at --max-new-tokens {cfg.new_tokens} before it "
-                 f"ended (no EOS, no stop string): their rewards say little and the policy never learns to stop; "
-                 f"raise --max-new-tokens (said once; completions/clipped_ratio in metrics.jsonl)")
-    # the advantages, not the rewards, decide: under --norm global (K=1 too) or RCE's weights a
-    # batch of one-reward groups still has advantages that differ from 0
-    if row.get("frac_reward_zero_std") == 1.0 and row.get("adv_abs_mean") == 0 and "one_reward" not in run.said:
-        run.said.add("one_reward")
-        run.log(f"step {step}: every group's {cfg.k} samples got the same reward, so every advantage is 0 and "
-                 f"this step teaches nothing (a loss of 0 here is expected, not a bug) (said once; "
-                 f"frac_reward_zero_std in metrics.jsonl)")
+    """The silent no-ops (diagnostics.silent_no_ops), each said once, at the step it first
+    happens; not with --quiet: metrics.jsonl's completions/clipped_ratio and frac_reward_zero_std
+    keep them."""
+    for key, message in diagnostics.silent_no_ops(row, run.cfg.k, run.cfg.new_tokens).items():
+        if key not in run.said:
+            run.said.add(key)
+            run.log(f"step {row['step']}: {message}")
 
 
 def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
@@ -262,12 +246,10 @@ def save(run: Run) -> Path | None:
     """A checkpoint now, and the oldest ones pruned (--keep-checkpoints); None (said, counted
     in the summary) when it cannot be written: a full disk ends that save, not the run."""
     state, models = run.state, run.learner.models
-    snapshot = dataclasses.replace(state, monitor=run.stability.state_dict(), kl_control=run.kl_control.state_dict(),
-                                   entropy_control=run.entropy_control.state_dict() if run.entropy_control else None,
-                                   value_head=models.value_head.state_dict() if models.value_head is not None else None,
-                                   rollout_policy=(run.learner.rollout_policy.state_dict()
-                                                   if run.learner.rollout_policy else None),
-                                   seconds=state.seconds + time.time() - run.started)
+    # the checkpoint: one dict beside the weights (checkpoint.save adds the random generators)
+    whole = {"optimizer": run.learner.optimizer.state_dict(),
+             "loop": dataclasses.asdict(dataclasses.replace(state, seconds=state.seconds + time.time() - run.started)),
+             "controllers": {name: c.state_dict() for name, c in run.controllers.items()}}
     path = None
     if not logprobs.forward_is_finite(models.model):
         # blown-up weights would become the newest checkpoint, the one --resume picks
@@ -276,14 +258,12 @@ def save(run: Run) -> Path | None:
     else:
         try:
             try:
-                path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
-                                       dataclasses.asdict(snapshot), run.rng)
+                path = checkpoint.save(run.out, state.step, models.model, models.tok, whole, run.rng)
             except (OSError, RuntimeError, SafetensorError):
                 if not checkpoint.release(run.out):       # the room held for this (session.start): once
                     raise
                 run.warn(f"step {state.step}: the disk is full; the room held for a checkpoint is used for it")
-                path = checkpoint.save(run.out, state.step, models.model, models.tok, run.learner.optimizer,
-                                       dataclasses.asdict(snapshot), run.rng)
+                path = checkpoint.save(run.out, state.step, models.model, models.tok, whole, run.rng)
         except (OSError, RuntimeError, SafetensorError) as e:         # torch.save's failures are RuntimeErrors
             state.failed_saves += 1
             need, free = checkpoint_bytes(run), shutil.disk_usage(run.out).free

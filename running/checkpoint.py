@@ -257,9 +257,10 @@ class Interrupts:
 
 # ---- checkpoints ----
 
-def save(run_dir: Path, step: int, model, tok, optimizer, loop_state: dict,
-         rng: random.Random) -> Path:
-    """Write RUN/checkpoints/step-NNNNNN atomically; return its path."""
+def save(run_dir: Path, step: int, model, tok, whole: dict, rng: random.Random) -> Path:
+    """Write RUN/checkpoints/step-NNNNNN atomically: the weights and tokenizer as transformers
+    saves them, and trainer_state.pt, one dict: whole (the optimizer's state, the loop's, the
+    controllers') with the step and every random generator's state. Returns its path."""
     final = Path(run_dir) / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
@@ -268,8 +269,7 @@ def save(run_dir: Path, step: int, model, tok, optimizer, loop_state: dict,
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "loop": loop_state,
-                    "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+        torch.save({"step": step, **whole, "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                    tmp / STATE_FILE)
         _fsync_tree(tmp)                  # the files' bytes on disk before the rename ...
@@ -411,7 +411,7 @@ class ResumeError(ValueError):
 def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) -> tuple[dict, Path]:
     """Restore from the newest checkpoint under path that loads whole (or path itself); a
     damaged one (a truncated weights file, an unreadable state) is skipped, saying which and
-    why. Returns (loop state, the checkpoint used); raises ResumeError when none loads."""
+    why. Returns (restore's dict, the checkpoint used); raises ResumeError when none loads."""
     reasons = []
     for ckpt in candidates(path):
         try:
@@ -426,10 +426,12 @@ def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) 
 
 
 def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
-    """Load weights, optimizer and RNG states from a checkpoint; return its loop state. Nothing
-    is changed unless everything loads."""
+    """Load weights, optimizer and RNG states from a checkpoint; return the rest of its dict
+    ("step", "loop", "controllers"). Nothing is changed unless everything loads."""
     weights = read_weights(ckpt, model)
     state = torch.load(Path(ckpt) / STATE_FILE, weights_only=True)
+    if "controllers" not in state:         # an older train.py's checkpoint: not read by guesswork
+        raise ResumeError("written by an older version of train.py; start the run again")
     before = optimizer.state_dict()
     try:
         optimizer.load_state_dict(state["optimizer"])
@@ -441,7 +443,7 @@ def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    return {**state["loop"], "step": state["step"]}
+    return {"step": state["step"], "loop": state["loop"], "controllers": state["controllers"]}
 
 
 def _as_tuple(x):

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+import distributed
 import tasks
 from models import policy, pretrained
-from running import checkpoint, distributed
+from running import checkpoint
 
 
 class ConfigError(ValueError):
@@ -102,7 +103,7 @@ def run_problems(cfg):
         need(writable(cache), "model", f"cannot create or write to the folder {str(cache)!r} where {cfg.model} is "
              f"cached ($RL_LESSONS_CACHE)")
     elif cfg.model:
-        problem = validate_model(cfg.model)
+        problem = pretrained.problem(cfg.model)
         need(not problem, "model", f"{cfg.model!r}: {problem}")
     cfg.cache_dir = cfg.cache_dir or str(policy.CACHE)
     need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
@@ -146,11 +147,6 @@ def holds_run(folder: Path) -> str | None:
     """The files of a run in folder ('metrics.jsonl, checkpoints'), or None when it holds none."""
     found = [name for name in RUN_FILES if (Path(folder) / name).exists()]
     return ", ".join(found) or None
-
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-           "pytorch_model.bin.index.json")
-TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 def writable(folder: Path) -> bool:
@@ -203,38 +199,6 @@ def init_from_problem(cfg) -> str | None:
         if saved.get(name) != getattr(cfg, name):
             return (f"that run's --{name} was {saved.get(name)!r}, this run's is {getattr(cfg, name)!r}; "
                     f"a run starts only from weights of the same task and model")
-    return None
-
-
-def validate_model(name: str) -> str | None:
-    """Why --model name cannot be used, or None: a named model, a loadable folder, or
-    something of the form of a hub id (whether the hub has it is known only when asked)."""
-    if name in pretrained.NAMED:
-        return None
-    if Path(name).exists():
-        return model_folder_problem(Path(name))
-    return pretrained.not_a_hub_id(name)
-
-
-def model_folder_problem(path: Path) -> str | None:
-    """Why a --model folder cannot be loaded, or None: it needs a config.json that parses,
-    weights, and a tokenizer."""
-    if not path.is_dir():
-        return "not a folder"
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except OSError:
-        return "no readable config.json"
-    except ValueError as e:
-        return f"config.json is not valid JSON ({e})"
-    if not isinstance(cfg, dict) or "model_type" not in cfg:
-        return "config.json names no model_type"
-    if not any((path / name).is_file() for name in WEIGHTS):
-        return f"no weights (none of {', '.join(WEIGHTS)})"
-    if pretrained.cut_short(path):
-        return pretrained.cut_short(path)
-    if not any((path / name).is_file() for name in TOKENIZER):
-        return f"no tokenizer (none of {', '.join(TOKENIZER)})"
     return None
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import advantages
+import distributed
 import dynamic_sampling
 import entropy_control
 import grpo
@@ -29,10 +30,11 @@ import ppo
 import rce
 import rewards
 import rollout
+import schedules
 import surrogates
 import tasks
 import update
-from running import checkpoint, checks, distributed, schedules
+from running import checkpoint, checks
 from running.checks import ConfigError, default_out, saved_fields  # noqa: F401 (default_out: for importers)
 
 
@@ -59,9 +61,6 @@ class Run:
     steps: int = opt(150, "training steps (one batch of rollouts each)", min=1)
     lr: float = opt(0.0, "AdamW learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
                     "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)", min=0)
-    lr_schedule: str = opt("constant", "learning-rate schedule after the warm-up", choices=schedules.LR_SCHEDULES)
-    min_lr: float = opt(0.0, "the learning rate that linear/cosine decay to at the last step", flag=False)
-    warmup_steps: int = opt(0, "steps of linear learning-rate warm-up from 0")
     # evaluation and output
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps", min=1)
     eval_samples: int = opt(4, "samples per held-out prompt at each evaluation", min=1, max=1000)
@@ -112,12 +111,12 @@ class Run:
 
 # The lessons whose knobs are flags, in the course's order: each defines its own (Knobs: the
 # field, its default, its help) and its checks (problems); --help shows them in this order.
-LESSONS = (advantages, grpo, surrogates, update, kl, entropy_control, rewards, rollout, mismatch, ppo, rce,
-           dynamic_sampling, monitor)
+LESSONS = (advantages, grpo, surrogates, update, schedules, kl, entropy_control, rewards, rollout, mismatch, ppo,
+           rce, dynamic_sampling, monitor)
 
 
 @dataclass
-class Config(Run, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, *grpo.KNOBS):
+class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, *grpo.KNOBS):
     """Every flag: the run's own (Run) and each lesson's (its Knobs)."""
 
     # derived sizes, computed in one place

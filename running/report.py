@@ -1,4 +1,5 @@
-"""What a run reports: one line of metrics.jsonl per step, the progress line, summary.json.
+"""What a run reports besides each step's metrics (diagnostics.py): samples.jsonl, the progress
+line, summary.json and its curves, and TensorBoard when asked.
 
 Every key of metrics.jsonl and summary.json, with its formula: docs/metrics.md (is_metric reads
 its list).
@@ -13,88 +14,10 @@ from pathlib import Path
 
 import torch
 
-import advantages
-from running import checkpoint
-from running import distributed
-import kl
-import mismatch
-from running import plots
-import ppo
+from running import checkpoint, plots
 
 
-# ---- one line of metrics.jsonl ----
-
-def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
-    """The metrics of a step's rollouts, before the update: rewards, the task's rates, the
-    advantages (see above) and the KL to the reference. hp: grpo.HyperParams (k, beta, algo).
-
-    Under torchrun they are the whole batch's: each rank's pieces (one entry per rollout, or
-    per policy token) are joined over ranks first (distributed.concat), so every rank holds
-    the same numbers, those one process would compute on the same rollouts."""
-    mask = batch.completion_mask.bool()                                              # (N, C)
-    kl_t = kl.estimate(batch.old_logp, batch.ref_logp, "k3") \
-        if batch.ref_logp is not None and batch.old_logp is not None else None   # (N, C)
-    ppo_critic = hp.algo == "ppo" and batch.returns is not None
-    p = distributed.concat(dict(
-        rewards=batch.rewards, outcomes=list(outcomes), seq_adv=batch.sequence_advantages(),   # (N,)
-        lengths=mask.sum(1), truncated=batch.truncated,                                        # (N,)
-        adv=batch.advantages[mask] if batch.advantages.dim() == 2 else batch.advantages,       # the loss's
-        kl=kl_t[mask] if kl_t is not None else None,                                 # (policy tokens,)
-        values=batch.old_values[mask] if ppo_critic else None,
-        returns=batch.returns[mask] if ppo_critic else None))
-    finite = torch.isfinite(p["rewards"])                                            # (N,)
-    r = p["rewards"][finite]
-    row = dict(reward_mean=r.mean().item() if len(r) else None,
-               reward_std=r.std(correction=0).item() if len(r) else None, **task.rates(p["outcomes"]),
-               nonfinite_rewards=int((~finite).sum()),
-               frac_reward_zero_std=advantages.frac_zero_std(p["rewards"], hp.k),
-               adv_abs_mean=p["adv"].abs().mean().item(), frac_adv_pm1=advantages.frac_pm1(p["adv"]),
-               frac_adv_negative=(p["seq_adv"] < 0).float().mean().item(),
-               kl=p["kl"].mean().item() if p["kl"] is not None else None, kl_coef=hp.beta)
-    row.update(completion_lengths(p["lengths"], p["truncated"]))
-    if batch.rollout_logp is not None and batch.old_logp is not None:      # the rollout/training mismatch
-        row.update(mismatch_metrics(batch))
-    if ppo_critic and finite.all():
-        row["explained_variance"] = ppo.explained_variance(p["values"], p["returns"],
-                                                           torch.ones_like(p["values"]))
-    return row
-
-
-def mismatch_metrics(batch) -> dict:
-    """mismatch.diagnostics over the whole batch's policy tokens (joined over ranks): how far the
-    sampler's log-probs are from the policy's recomputed ones, and the correction's weight."""
-    mask = batch.completion_mask.bool()                                              # (N, C)
-    log_w = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "token")  # (N, C)
-    seq = log_w.sum(1) / mask.sum(1).clamp_min(1)                                    # (N,) mean log w
-    p = distributed.concat(dict(tokens=log_w[mask], seqs=seq[mask.any(1)],
-                                weights=batch.is_weight[mask] if batch.is_weight is not None else None))
-    return mismatch.diagnostics(p["tokens"], p["seqs"], p["weights"])
-
-
-def completion_lengths(lengths: torch.Tensor, truncated: torch.Tensor | None) -> dict:
-    """TRL's completion-length metrics: policy tokens per rollout (mean, min, max), the mean
-    length of the rollouts that ended (EOS or a stop string), and the share cut at the limit."""
-    lengths = lengths.float()                                                        # (N,)
-    out = {"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-           "completions/max_length": lengths.max().item()}
-    if truncated is not None:
-        ended = lengths[~truncated.bool()]
-        out["completions/mean_terminated_length"] = ended.mean().item() if len(ended) else 0.0   # TRL: 0
-        out["completions/clipped_ratio"] = truncated.float().mean().item()
-    return out
-
-
-def no_rollout(task) -> dict:
-    """The rollout metrics of a step whose sampling failed (non-finite logits)."""
-    return dict(reward_mean=None, kl=None, **{key: None for key in (*task.HEADLINE, task.FORMAT_KEY)})
-
-
-def no_update(*nonfinite) -> dict:
-    """The update statistics of a step without an update (nonfinite: why it was skipped)."""
-    return dict(loss=None, entropy=None, clip_frac=None, clip_frac_low=None, clip_frac_high=None,
-                ratio_min=None, ratio_max=None, approx_kl=None, grad_norm=None, steps_taken=0,
-                skipped_nonfinite=int(bool(nonfinite)), nonfinite=list(nonfinite))
-
+# ---- samples.jsonl ----
 
 def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:
     """The first n rollouts of a step for samples.jsonl: prompt, text, outcome, reward and

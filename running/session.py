@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import transformers
 
+import distributed
 import dynamic_sampling
 import entropy_control
 import grpo
@@ -34,7 +35,7 @@ import rollout
 import shared_prefix
 import tasks
 from models import policy, pretrained
-from running import checkpoint, config, distributed, report, schedules
+from running import checkpoint, config, report
 from running import checks
 from running.bookkeeping import RunState, held_out, keep_best, reserve_bytes, save_best
 from running.config import Config, default_out
@@ -66,6 +67,7 @@ class Run:
     kl_control: kl.KLController
     entropy_control: entropy_control.AdaptiveEntropy | None    # --entropy-target; None: the schedule
     stability: monitor.StabilityMonitor
+    controllers: dict                # name -> each of the above a checkpoint keeps (state_dict)
     state: RunState
     rng: random.Random               # the prompts' draws
     prompts: dict                    # "train" and "eval"
@@ -75,7 +77,7 @@ class Run:
     started: float                   # time.time() at the start of this session
     warn: Callable = print           # a failure's line: printed on rank 0 even with --quiet
     interrupts: checkpoint.Interrupts | None = None   # the signals caught (open)
-    step_started: float = 0.0        # time.time() at the start of the current step (begin_step)
+    step_started: float = 0.0        # time.time() at the start of the current step (train.py)
     summary: dict | None = None      # summary.json's contents, once the run is closed
     said: set = dataclasses.field(default_factory=set)   # what the log said once already
 
@@ -142,29 +144,6 @@ def close_run(run: Run, out: Path, main: bool) -> None:
         run.summary["unsaved"] = True
         run.warn(f"error: none of this run's {state.failed_saves} checkpoint(s) could be written "
                  f"(see the lines above); it cannot be resumed")
-
-
-def difficulty(run: Run, step: int) -> int:
-    """The task's difficulty at this step: --difficulty, or with --curriculum this step's phase
-    (schedules.difficulty_at), never below the last step's: a curriculum resumed with more
-    --steps stretches its phases, and would otherwise step back to easier tasks."""
-    level = schedules.difficulty_at(step, run.cfg.steps, run.cfg.difficulty, run.cfg.curriculum)
-    run.state.difficulty = max(level, run.state.difficulty)
-    return run.state.difficulty
-
-
-def begin_step(run: Run, step: int) -> None:
-    """Start the step's clock; under torchrun, give this rank its own sampling seed for it."""
-    run.step_started = time.time()
-    if distributed.launched():
-        torch.manual_seed(distributed.sampling_seed(run.cfg.seed, step))
-
-
-def draw_prompts(run: Run, difficulty: int) -> list:
-    """A step's B training prompts of a difficulty (this rank's share of them under torchrun)."""
-    train, b = run.prompts["train"][difficulty], run.cfg.batch
-    prompts = run.rng.sample(train, b) if b <= len(train) else run.rng.choices(train, k=b)
-    return distributed.shard(prompts)                # torchrun: this rank's B/W of them, groups whole
 
 
 # ---- setting up ----
@@ -266,18 +245,15 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     state = RunState()
+    # what a checkpoint keeps besides the weights, the optimizer and the loop's state
+    controllers = {name: c for name, c in (("monitor", stability), ("kl_control", kl_control),
+                                           ("entropy_control", adaptive), ("value_head", value_head),
+                                           ("rollout_policy", learner.rollout_policy)) if c is not None}
     if cfg.resume:                                   # every rank loads rank 0's checkpoint
         saved, used = checkpoint.restore_newest(Path(cfg.resume), model, optimizer, rng, log)
-        state = RunState.from_checkpoint(saved)
-        stability.load_state_dict(state.monitor)
-        kl_control.load_state_dict(state.kl_control)
-        if adaptive is not None:
-            adaptive.load_state_dict(state.entropy_control)
-        if value_head is not None:
-            value_head.load_state_dict(state.value_head)
-        if learner.rollout_policy and state.rollout_policy:
-            learner.rollout_policy.load_state_dict(state.rollout_policy)
-        state.rollout_policy = None                  # the sampler holds them now; each save takes them again
+        state = RunState.from_checkpoint(dict(saved["loop"], step=saved["step"]))
+        for name, c in controllers.items():
+            c.load_state_dict(saved["controllers"][name])
         for name in ("metrics.jsonl", "samples.jsonl"):
             torn = checkpoint.truncate_log(out / name, state.step) if main else 0
             if torn:
@@ -311,8 +287,8 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         except Exception as e:                       # a read-only folder, a full disk, a too-old package
             print(f"train.py: --tensorboard: cannot write to {out / 'tensorboard'} ({type(e).__name__}: "
                   f"{str(e)[:160]}); the run goes on, metrics.jsonl has every number", file=sys.stderr)
-    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, state, rng,
-              prompts_of(task, cfg), *logs, log, started,
+    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, controllers, state,
+              rng, prompts_of(task, cfg), *logs, log, started,
               warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
         held_out(run, row := {"step": 0})                    # before any update: evaluation only

@@ -84,7 +84,7 @@ def test_a_separate_critic_run_trains_resumes_and_keeps_the_lr_ratio(tmp_path):
     policy_group, critic_group = state["optimizer"]["param_groups"]
     assert policy_group["lr"] == pytest.approx(1e-3 * (1 - 3 / 6))
     assert critic_group["lr"] == pytest.approx(10 * policy_group["lr"]), "the schedule moves both, 10x apart"
-    assert set(state["loop"]["value_head"]) >= {"trunk.embed_tokens.weight", "head.linear.weight"}
+    assert set(state["controllers"]["value_head"]) >= {"trunk.embed_tokens.weight", "head.linear.weight"}
     # the run goes on from its newest checkpoint: the critic's trunk and head come back too
     shutil.rmtree(tmp_path / "c" / "checkpoints" / "step-000006")
     summary = train.train(config.parse_config(["--resume", str(tmp_path / "c"), "--quiet"]))

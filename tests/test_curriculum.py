@@ -13,7 +13,7 @@ from running import config
 from running import session
 from models import policy
 import rewards
-from running import schedules
+import schedules
 from tasks import tool_task
 import train
 from conftest import quick

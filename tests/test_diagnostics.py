@@ -1,4 +1,4 @@
-"""The diagnostics users look for, named as TRL names them (running/report.py), and the two
+"""The diagnostics users look for, named as TRL names them (diagnostics.py), and the two
 silent no-ops said once, in plain words, at the step they happen."""
 import json
 
@@ -9,16 +9,17 @@ import grpo
 import logprobs
 import update
 from conftest import quick, synthetic_batch, tiny_model
+import diagnostics
 from running import report
 
 
 def test_completion_lengths_against_a_hand_count():
     lengths = torch.tensor([3, 6, 6, 1])
     truncated = torch.tensor([False, True, True, False])
-    out = report.completion_lengths(lengths, truncated)
+    out = diagnostics.completion_lengths(lengths, truncated)
     assert out == {"completions/mean_length": 4.0, "completions/min_length": 1.0, "completions/max_length": 6.0,
                    "completions/mean_terminated_length": 2.0, "completions/clipped_ratio": 0.5}
-    every_cut = report.completion_lengths(lengths, torch.ones(4, dtype=torch.bool))
+    every_cut = diagnostics.completion_lengths(lengths, torch.ones(4, dtype=torch.bool))
     assert every_cut["completions/mean_terminated_length"] == 0.0, "TRL logs 0 when no completion ended"
 
 
@@ -71,12 +72,9 @@ def test_a_step_whose_every_group_has_one_reward_says_so_once(tmp_path, capsys):
 def test_one_reward_a_group_is_called_zero_advantages_only_when_they_are(adv_abs_mean, said):
     """K=1 under global norm (every group trivially one reward, advantages r - batch mean: mean
     |A| 0.66 in a run) and RCE's weights: the "every advantage is 0" line was false there."""
-    from types import SimpleNamespace
-    from running import bookkeeping
-    lines = []
-    run = SimpleNamespace(cfg=SimpleNamespace(k=1), said=set(), log=lines.append)
-    bookkeeping.say_once(run, {"step": 3, "frac_reward_zero_std": 1.0, "adv_abs_mean": adv_abs_mean})
-    assert any("every advantage is 0" in line for line in lines) == said, lines
+    lines = diagnostics.silent_no_ops({"step": 3, "frac_reward_zero_std": 1.0, "adv_abs_mean": adv_abs_mean},
+                                      k=1, new_tokens=24)
+    assert any("every advantage is 0" in line for line in lines.values()) == said, lines
 
 
 def test_the_ratio_extremes_are_the_whole_batchs_over_its_micro_batches():

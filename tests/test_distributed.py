@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import advantages
-from running import distributed
+import distributed
 import grpo
 from conftest import quick
 from distributed_worker import one_process

@@ -111,7 +111,7 @@ def test_a_truncated_completion_leaves_the_loss_as_if_it_were_not_in_the_batch()
         return loss, torch.autograd.grad(loss, logp)[0]
     keep = torch.tensor([i not in (1, 4) for i in range(8)])
     want, want_grad = loss_and_grad(batch.completion_mask.float(), keep)
-    rewards.mask_truncated(batch)
+    batch = rewards.mask_truncated(batch)
     rows = batch.rows(torch.arange(8))
     per_token, _ = grpo.policy_loss(logp, batch.old_logp, torch.zeros_like(logp), rows, hp)
     got = grpo.aggregate(per_token, rows.mask, "token-mean", 8, rows.mask.sum(), 24)

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM
 
 from tools import bench
 from tools import decode_floor
-from running import bookkeeping
 from running import checkpoint
 from lab import compare
 from running import checks
@@ -518,20 +517,26 @@ def test_resuming_with_another_number_of_processes_is_refused(tmp_path, monkeypa
 
 def test_a_run_written_by_an_older_version_is_refused_in_one_line(tmp_path, capsys):
     """The readers of old runs' formats are gone: a config.json without `processes`, or a
-    checkpoint with the old `prev` key, is refused with one line, not read by guesswork."""
+    checkpoint without its controllers' states, is refused with one line, not read by guesswork."""
     train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "2")))
     path = tmp_path / "run" / "config.json"
-    saved = json.loads(path.read_text())
-    path.write_text(json.dumps({k: v for k, v in saved.items() if k != "processes"}))
+    saved = path.read_text()
+    path.write_text(json.dumps({k: v for k, v in json.loads(saved).items() if k != "processes"}))
     exits_2(capsys, lambda: config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6"]), "older version")
+    path.write_text(saved)
+    for state_file in (tmp_path / "run" / "checkpoints").glob(f"*/{checkpoint.STATE_FILE}"):
+        state = torch.load(state_file, weights_only=True)
+        del state["controllers"]                     # as an older train.py wrote them
+        torch.save(state, state_file)
     with pytest.raises(checkpoint.ResumeError, match="older version"):
-        bookkeeping.RunState.from_checkpoint({"step": 2, "prev": [True, 0.5]})
+        train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "6", "--quiet"]))
 
 
 def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, monkeypatch):
     """on SIGTERM rank 0 evaluated first and saved after; torchrun kills the group 30 s
     after its SIGTERM, longer than a real model's evaluation, and no checkpoint was left."""
-    from running import bookkeeping, distributed
+    import distributed
+    from running import bookkeeping
     steps = []
     monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 2 else None))
     seen, real = [], bookkeeping.held_out
@@ -548,7 +553,8 @@ def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, mon
 def test_a_kill_during_the_evaluation_after_a_stop_loses_no_step(tmp_path, monkeypatch):
     """SIGTERM, then SIGKILL during the held-out evaluation that follows (torchrun's grace): the
     checkpoint preceded the step's metrics line, and after --resume that step was gone for good."""
-    from running import bookkeeping, distributed
+    import distributed
+    from running import bookkeeping
     steps = []
     monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 3 else None))
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from running import schedules
+import schedules
 
 
 def test_constant_with_warmup():

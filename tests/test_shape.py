@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-LESSONS = ("advantages", "dynamic_sampling", "grpo", "kl", "logprobs", "ppo", "rce", "rewards", "rollout",
-           "shared_prefix", "surrogates", "entropy_control", "mismatch",
-           "tool_env", "update", "monitor")
+LESSONS = ("advantages", "diagnostics", "distributed", "dynamic_sampling", "entropy_control", "grpo", "kl",
+           "logprobs", "mismatch", "monitor", "ppo", "rce", "rewards", "rollout", "shared_prefix", "surrogates",
+           "schedules", "tool_env", "update")
 MACHINERY = ("running", "tasks", "models", "lab")
 ALLOWED = {"torch", "transformers", *LESSONS, *sys.stdlib_module_names}
 
@@ -95,7 +95,7 @@ def test_no_function_a_training_step_runs_takes_more_than_eight_parameters():
 
 def test_train_reads_as_the_loop():
     lines = len((ROOT / "train.py").read_text().splitlines())
-    assert lines <= 250, f"train.py is {lines} lines, more than 250"
+    assert lines <= 300, f"train.py is {lines} lines, more than 300"
     found = functions(ROOT / "train.py")
     assert found["train"][1] <= 80, f"train.train is {found['train'][1]} lines, more than 80"
     assert found["rl_step"][1] <= 50, f"train.rl_step is {found['rl_step'][1]} lines, more than 50"

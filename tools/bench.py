@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from running import config
+from models import pretrained
 from running import checks
 from running import report
 
@@ -407,7 +408,7 @@ def main(argv=None):
             p.error("warmstart needs --model (the tiny model's warm start is small)")
         if args.warm_micro < 0:
             p.error(f"--warm-micro must be >= 0, got {args.warm_micro}")
-        problem = checks.validate_model(args.model)
+        problem = pretrained.problem(args.model)
         if problem:
             p.error(f"--model: {problem}")
         return warmstart_report(args)
@@ -416,7 +417,7 @@ def main(argv=None):
     if args.task == "tools" and args.vs_trl:
         p.error("--vs-trl compares on the DSL task's prompts (TRL has no tool environment here); drop --task tools")
     if args.model:
-        problem = checks.validate_model(args.model)
+        problem = pretrained.problem(args.model)
         if problem:
             p.error(f"--model: {problem}")
     if args.vs_trl:

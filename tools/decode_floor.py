@@ -38,6 +38,7 @@ import torch
 import rollout
 import shared_prefix
 from tools import bench
+from models import pretrained
 from running import checks
 from running import config
 
@@ -123,7 +124,7 @@ def main(argv=None):
     if args.json and (Path(args.json).is_dir() or not checks.writable(Path(args.json).parent)):
         p.error(f"--json: cannot write {args.json!r}")
     if args.model:
-        problem = checks.validate_model(args.model)
+        problem = pretrained.problem(args.model)
         if problem:
             p.error(f"--model: {problem}")
     cfg = bench.REAL if args.model else bench.CONFIGS["tiny"]

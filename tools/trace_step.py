@@ -64,8 +64,10 @@ def trace(argv: list) -> Counter:
             finally:
                 tracer.on = False
         train.one_step = traced
-    else:                                       # today: the loop's body, from begin_step on
+    elif hasattr(train, "begin_step"):          # older code: the loop's body, from begin_step on
         train.begin_step = window(train.begin_step)
+    else:                                       # today: the loop's body, from its first call on
+        train.step_hyper_params = window(train.step_hyper_params)
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--steps", "3", "--sft-steps", "30", "--eval-every", "10", "--quiet",
                  "--cache-dir", f"{tmp}/cache", "--out", f"{tmp}/run", *argv]

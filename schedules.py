@@ -23,8 +23,19 @@ so 100 steps at D = 3 are steps 1-34 at 1, 35-67 at 2, 68-100 at 3. Without --cu
 every step trains at D. Held-out evaluation is always at D, the task the run is for.
 """
 import math
+from dataclasses import dataclass, field
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class Knobs:
+    """the learning rate over the run"""
+    lr_schedule: str = field(default="constant", metadata={"help": "learning-rate schedule after the warm-up",
+                                                           "choices": LR_SCHEDULES})
+    min_lr: float = field(default=0.0, metadata={"help": "the learning rate that linear/cosine decay to at the "
+                                                         "last step", "flag": False})
+    warmup_steps: int = field(default=0, metadata={"help": "steps of linear learning-rate warm-up from 0"})
 
 
 def lr_at(step: int, total: int, base: float, schedule: str = "constant",
