@@ -46,6 +46,7 @@ reward-weighted cross-entropy. Every knob is a field of HyperParams, defined (de
 range) by the lesson it belongs to (its Knobs, below: KNOBS) and copied from the flag of the
 same name (running/config.py: hyper_params); `python train.py --k 8 --norm global` runs it.
 """
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,22 @@ def problems(cfg):
     if cfg.ratio_level == "sequence" and cfg.algo != "grpo":
         yield "ratio-level", f"sequence (GSPO) weighs a sequence advantage by a sequence ratio; --algo {cfg.algo} " + (
             "has per-token advantages (GAE)" if cfg.algo == "ppo" else "has no ratio (rce.py)")
+
+
+# GSPO's paper (and verl's gspo) clip the sequence ratio at 3e-4 / 4e-4 and average over
+# sequences; token-level PPO's 0.2 would leave a length-normalised ratio unclipped.
+GSPO_DEFAULTS = dict(clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token-mean")
+
+
+def own_defaults(cfg, given: dict):
+    """cfg with the defaults an objective was written with, for the flags not given (given: the
+    names on the command line): --ratio-level sequence, GSPO's clip range and aggregation;
+    --policy-loss sapo or gmpo, its own aggregation (surrogates.OWN_AGGREGATION)."""
+    if cfg.policy_loss in surrogates.OWN_AGGREGATION and "loss_agg" not in given:
+        cfg = dataclasses.replace(cfg, loss_agg=surrogates.OWN_AGGREGATION[cfg.policy_loss])
+    if cfg.ratio_level != "sequence":
+        return cfg
+    return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
 
 
 # the lessons whose knobs one step's advantages and update read

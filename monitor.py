@@ -59,6 +59,33 @@ def false_collapse_given(rate: float, n: int) -> float:
     return binomial_cdf(int(round(n * rate)) // 2, n, rate)
 
 
+class CollapseCount:
+    """Report 001's statistic, counted as a run goes (train.py's steer), beside its null: a step
+    is collapsed_after_update when the step before it took an update from an on-format rate
+    p > 0 and this step's rate is at most p / 2; `floor` sums false_collapse_given(p, n) over
+    the same steps, the count a frozen policy would reach along the run's own rates."""
+
+    def __init__(self, n: int):
+        self.n, self.collapses, self.floor = n, 0, 0.0
+        self.before = None               # the on-format rate the last step updated from, or None
+
+    def update(self, updated: bool, on_format: float | None) -> bool:
+        """Count one step (on_format: its rate, None when nothing was sampled); True when it is
+        collapsed_after_update."""
+        collapsed = bool(self.before and on_format is not None and on_format <= self.before / 2)
+        if self.before is not None and on_format is not None:
+            self.floor += false_collapse_given(self.before, self.n)
+        self.collapses += collapsed
+        self.before = on_format if updated else None
+        return collapsed
+
+    def state_dict(self) -> dict:
+        return {"collapses": self.collapses, "floor": self.floor, "before": self.before}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.collapses, self.floor, self.before = state["collapses"], state["floor"], state["before"]
+
+
 class StabilityMonitor:
     def __init__(self, min_entropy=0.5, max_kl=0.5, max_reward_range=0.3, window=10):
         self.min_entropy, self.max_kl = min_entropy, max_kl

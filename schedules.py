@@ -30,12 +30,24 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass
 class Knobs:
-    """the learning rate over the run"""
+    """The learning rate over the run, and report 000's curriculum of the task's difficulty."""
     lr_schedule: str = field(default="constant", metadata={"help": "learning-rate schedule after the warm-up",
                                                            "choices": LR_SCHEDULES})
     min_lr: float = field(default=0.0, metadata={"help": "the learning rate that linear/cosine decay to at the "
                                                          "last step", "flag": False})
     warmup_steps: int = field(default=0, metadata={"help": "steps of linear learning-rate warm-up from 0"})
+    curriculum: bool = field(default=False, metadata={"help": "tools task: train from difficulty 1 up to "
+                             "--difficulty in equal phases (report 000's short-to-long curriculum: difficulty_at); "
+                             "evaluation stays at --difficulty"})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.curriculum and cfg.difficulty < 2:
+        yield "curriculum", (f"moves from difficulty 1 up to --difficulty; give --difficulty 2 or more "
+                             f"(it is {cfg.difficulty})")
+    if cfg.curriculum and cfg.steps < cfg.difficulty:
+        yield "curriculum", f"needs a step per difficulty at least: --steps {cfg.steps} < --difficulty {cfg.difficulty}"
 
 
 def lr_at(step: int, total: int, base: float, schedule: str = "constant",

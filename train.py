@@ -121,16 +121,18 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
     algo = ALGOS[hp.algo]
     if finite:
         algo.prepare(batch, hp)                    # advantages: (N,) GRPO, (N, C) PPO; RCE's weights
-        mismatch.weigh(batch, hp)                  # --rollout-correction: each token's weight pi_old / pi_sampler
+        if hp.rollout_correction != "none":       # each token's weight pi_old / pi_sampler (mismatch.py)
+            mismatch.weigh(batch, hp)
     else:                                          # the bad rewards never reach a metric
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
     # DAPO: completions cut at the limit leave the loss (a copy; the metrics read the whole batch)
     trained = rewards.mask_truncated(batch) if hp.mask_truncated else batch
     skipped = why_no_update(trained, outcomes, extra, hp, finite)
-    stats = diagnostics.no_update("reward") if not finite else diagnostics.no_update()
     if skipped is None:
         with learner.autocast():
             stats = update.update(learner.scorer, learner.optimizer, trained, hp, algo.loss)
+    else:
+        stats = diagnostics.no_update() if finite else diagnostics.no_update("reward")
     row = dict(diagnostics.rollout_metrics(batch, outcomes, learner.task, hp), **extra, update_skipped=skipped)
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
@@ -190,7 +192,8 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
 def steer(run: Run, row: dict, stats: dict, batch) -> None:
     """After the update: beta from the KL its rule reads (kl.py; report 003's range rule reads the
     update's own, policy_shift), adaptive entropy's weight (entropy_control.py), and report 001's
-    collapsed_after_update: this step's on-format rate at most half the updated step's before."""
+    collapsed_after_update: this step's on-format rate at most half the updated step's before
+    (monitor.CollapseCount, which sums the flag's null beside it)."""
     cfg = run.cfg
     if kl.READS[cfg.kl_control] == "policy_shift" and batch is not None and stats["steps_taken"]:
         with run.learner.autocast():
@@ -200,7 +203,7 @@ def steer(run: Run, row: dict, stats: dict, batch) -> None:
         run.kl_control.update(measured)
     if run.entropy_control is not None and stats["steps_taken"]:
         row["entropy_coef_adaptive"] = run.entropy_control.update(stats["entropy"])
-    collapsed = run.state.count(row["step"], stats, row[run.learner.task.FORMAT_KEY], cfg.n)
+    collapsed = run.collapse.update(stats["steps_taken"] > 0, row[run.learner.task.FORMAT_KEY])
     row.update(stats, updated=stats["steps_taken"] > 0, collapsed_after_update=collapsed)
 
 

@@ -21,7 +21,6 @@ from safetensors import SafetensorError
 import diagnostics
 import distributed
 import logprobs
-import monitor
 import rollout
 from running import checkpoint, evaluate, report
 
@@ -39,11 +38,7 @@ class RunState:
     the optimizer and the RNGs."""
     step: int = 0                    # the last step done
     updates: int = 0                 # steps that took an optimizer step
-    collapses: int = 0               # collapsed_after_update steps
-    crash_floor: float = 0.0         # sum over updates of P(collapse flag | frozen policy)
     skipped: int = 0                 # non-finite optimizer steps skipped
-    prev_updated: bool = False       # the previous step updated ...
-    prev_on_format: float | None = None   # ... from this on-format rate
     first_eval: dict | None = None   # eval_* at step 0
     last_eval: dict | None = None    # eval_* at the newest evaluation
     failed_saves: int = 0            # checkpoints a full disk refused
@@ -67,20 +62,11 @@ class RunState:
         names = {f.name for f in dataclasses.fields(cls)} - {"stopped", "interrupted", "early_stopped"}
         return cls(**{k: v for k, v in saved.items() if k in names})
 
-    def count(self, step: int, stats: dict, on_format: float | None, n: int) -> bool:
-        """Count one step; return collapsed_after_update: the previous step updated, its
-        on-format rate was > 0, and this step's is at most half of it (report 001)."""
-        updated = stats["steps_taken"] > 0
-        prev_rate = self.prev_on_format if self.prev_updated else None
-        collapsed = bool(prev_rate and on_format is not None and on_format <= prev_rate / 2)
-        if prev_rate is not None and on_format is not None:
-            # the null: how likely that flag was from sampling noise alone (monitor.py)
-            self.crash_floor += monitor.false_collapse_given(prev_rate, n)
-        self.step, self.prev_updated, self.prev_on_format = step, updated, on_format
-        self.updates += updated
-        self.collapses += collapsed
+    def count(self, step: int, stats: dict) -> None:
+        """Count one step: done, and whether it updated or skipped a non-finite one."""
+        self.step = step
+        self.updates += stats["steps_taken"] > 0
         self.skipped += stats["skipped_nonfinite"]
-        return collapsed
 
 
 # ---- after each step ----
@@ -94,6 +80,7 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     batch, outcomes, prompts = sampled
     cfg, state, task = run.cfg, run.state, run.learner.task
     step = row["step"]
+    state.count(step, stats)
     # a signal reaches one rank at a time: every rank stops at the step any of them got one
     # (the step's last collective; account's other inputs are the same on every rank)
     signal = distributed.first_reason(run.interrupts.signal)

@@ -17,6 +17,7 @@ mid-write never leaves half a checkpoint under the final name.
 Resume. `python train.py --resume RUN` loads the newest checkpoint, cuts the logs back to the
 steps it covers, and goes on; on the CPU the metrics equal those of an uninterrupted run.
 """
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -182,30 +183,22 @@ class RunBusy(ValueError):
     """Another process is running in this run folder; train.py says so in one line, exit 2."""
 
 
-class RunLock:
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
     """An exclusive lock on RUN/.lock for as long as a run writes there: a second run into the
-    same folder is refused instead of interleaving its lines with the first's. The lock is
-    the kernel's (flock), so a killed run never leaves a stale one."""
-
-    def __init__(self, run_dir: Path):
-        self.fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise RunBusy(f"--out: another run is writing in {str(run_dir)!r} now; wait for it, "
-                          f"or choose another --out") from None
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)                # closing the file releases the lock
-            self.fd = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
+    same folder is refused (RunBusy) instead of interleaving its lines with the first's. The
+    lock is the kernel's (flock), so a killed run never leaves a stale one."""
+    fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunBusy(f"--out: another run is writing in {str(run_dir)!r} now; wait for it, "
+                      f"or choose another --out") from None
+    try:
+        yield
+    finally:
+        os.close(fd)                         # closing the file releases the lock
 
 
 def clear_run(run_dir: Path, names) -> None:
@@ -357,18 +350,14 @@ def load_weights(ckpt: Path, model) -> None:
 
 
 def is_busy(run_dir: Path) -> bool:
-    """Whether a run is writing in run_dir now (it holds RUN/.lock: RunLock)."""
-    lock = Path(run_dir) / ".lock"
-    if not lock.exists():
+    """Whether a run is writing in run_dir now (it holds RUN/.lock: run_lock)."""
+    if not (Path(run_dir) / ".lock").exists():
         return False
-    fd = os.open(lock, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
+        with run_lock(run_dir):
+            return False
+    except RunBusy:
         return True
-    finally:
-        os.close(fd)
 
 
 def weights_sha256(ckpt: Path) -> str:

@@ -89,10 +89,6 @@ def run_problems(cfg):
     top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
     need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
          f"{cfg.difficulty}" if top > 1 else f"--task {cfg.task} has one difficulty (1), got {cfg.difficulty}")
-    need(not cfg.curriculum or cfg.difficulty >= 2, "curriculum", f"moves from difficulty 1 up to --difficulty; "
-         f"give --difficulty 2 or more (it is {cfg.difficulty})")
-    need(not cfg.curriculum or cfg.steps >= cfg.difficulty, "curriculum", f"needs a step per difficulty at "
-         f"least: --steps {cfg.steps} < --difficulty {cfg.difficulty}")
     need(0 <= cfg.sft_difficulty <= top, "sft-difficulty", f"must be in [1, {top}] for --task {cfg.task} (or 0 = "
          f"--difficulty), got {cfg.sft_difficulty}")
     cfg.sft_difficulty = cfg.sft_difficulty or cfg.difficulty

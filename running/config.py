@@ -52,9 +52,6 @@ class Run:
                          "benchmark beyond the first (--difficulty)", min=1, flag=False)
     difficulty: int = opt(1, "tools task: benchmarks each episode asks about (1 to 3); the answer must report "
                           "every one's setting and value (report 000's long ground truth)")
-    curriculum: bool = opt(False, "tools task: train from difficulty 1 up to --difficulty in equal phases "
-                           "(report 000's short-to-long curriculum: schedules.difficulty_at); evaluation "
-                           "stays at --difficulty")
     algo: str = opt("grpo", "the algorithm: GRPO (no critic), PPO (value head + GAE) or RCE (report 003's "
                     "reward-weighted cross-entropy: rce.py)", choices=("grpo", "ppo", "rce"))
     batch: int = opt(8, "prompts per step (B); N = B*K sequences per step", min=1, max=4096)
@@ -266,7 +263,7 @@ def parse_config(argv=None) -> Config:
     args = _parser().parse_args(argv)
     given = vars(_parser(explicit_only=True).parse_args(argv))
     try:
-        cfg = gspo_defaults(Config(**vars(args)), given)
+        cfg = grpo.own_defaults(Config(**vars(args)), given)
         for name, what in (("resume", "the folder of the run to continue"), ("init_from", "a run or checkpoint "
                            "folder to start from"), ("model", "a named model, a folder or a hub id")):
             if name in given and not str(given[name]).strip():      # an empty string is a mistake, not "off"
@@ -276,22 +273,6 @@ def parse_config(argv=None) -> Config:
         return checks.validate(cfg, LESSONS)
     except ConfigError as e:
         fail(str(e))
-
-
-# GSPO's paper (and verl's gspo) clip the sequence ratio at 3e-4 / 4e-4 and average over
-# sequences; token-level PPO's 0.2 would leave a length-normalised ratio unclipped.
-GSPO_DEFAULTS = dict(clip_eps=3e-4, clip_eps_high=4e-4, loss_agg="seq-mean-token-mean")
-
-
-def gspo_defaults(cfg: Config, given: dict) -> Config:
-    """--ratio-level sequence: GSPO's clip range and aggregation for the flags not given;
-    --policy-loss sapo or gmpo: the aggregation it was written with (surrogates.OWN_AGGREGATION),
-    unless --loss-agg is given."""
-    if cfg.policy_loss in surrogates.OWN_AGGREGATION and "loss_agg" not in given:
-        cfg = dataclasses.replace(cfg, loss_agg=surrogates.OWN_AGGREGATION[cfg.policy_loss])
-    if cfg.ratio_level != "sequence":
-        return cfg
-    return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
 
 
 def processes_of(run_dir: Path) -> int:

@@ -66,16 +66,17 @@ def summary_keys(task) -> set:
         {f"eval_{key}_start" for key in task.HEADLINE} | {"train_answer_nll_end", "train_answer_nll_best"}
 
 
-def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
+def finish(task, out: Path, state, monitors: tuple, log) -> dict:
     """Write summary.json and curves.png; log the one-line summary; return the summary.
     state: bookkeeping.RunState at the end (its seconds: the run's whole wall time, over every
-    resume; its stopped / interrupted: why it ended early, or None)."""
+    resume; its stopped / interrupted: why it ended early, or None); monitors: the run's
+    monitor.StabilityMonitor and monitor.CollapseCount."""
     first, last = state.first_eval, state.last_eval
-    updates = state.updates
-    summary = dict(steps=state.step, updates=updates, collapses=state.collapses,
-                   crash_rate=state.collapses / updates if updates else 0.0,
-                   crash_floor=state.crash_floor / updates if updates else 0.0,
-                   skipped_nonfinite=state.skipped, alert_episodes=alert_episodes,
+    updates, (stability, collapse) = state.updates, monitors
+    summary = dict(steps=state.step, updates=updates, collapses=collapse.collapses,
+                   crash_rate=collapse.collapses / updates if updates else 0.0,
+                   crash_floor=collapse.floor / updates if updates else 0.0,
+                   skipped_nonfinite=state.skipped, alert_episodes=stability.episodes,
                    stopped=state.stopped, interrupted=state.interrupted, failed_saves=state.failed_saves,
                    lost_log_lines=state.lost_log_lines, early_stopped=state.early_stopped,
                    best_step=state.best_step, best_checkpoint=state.best_checkpoint)
@@ -110,7 +111,7 @@ def finish(task, out: Path, state, alert_episodes: int, log) -> dict:
     headline = ", ".join(f"{key} {summary[f'eval_{key}_start']:.2f} -> {summary[f'eval_{key}_end']:.2f}"
                          for key in task.HEADLINE)
     log(f"{'stopped' if state.stopped else 'done'} in {summary['seconds']}s: held-out {headline}, crash "
-        f"rate {state.collapses}/{updates} (frozen-policy floor {summary['crash_floor']:.2f}), peak memory "
+        f"rate {collapse.collapses}/{updates} (frozen-policy floor {summary['crash_floor']:.2f}), peak memory "
         f"{summary['peak_memory_mb']} MB; files in {out}/ (curves.png)")
     if summary.get("nothing_learned"):            # --quiet hides progress, never this
         print(f"train.py: error: every update of this run was non-finite ({state.skipped} skipped, none "

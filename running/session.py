@@ -67,6 +67,7 @@ class Run:
     kl_control: kl.KLController
     entropy_control: entropy_control.AdaptiveEntropy | None    # --entropy-target; None: the schedule
     stability: monitor.StabilityMonitor
+    collapse: monitor.CollapseCount  # report 001's count and its null
     controllers: dict                # name -> each of the above a checkpoint keeps (state_dict)
     state: RunState
     rng: random.Random               # the prompts' draws
@@ -107,7 +108,7 @@ def open(cfg: Config, build: Callable):
         out.mkdir(parents=True, exist_ok=True)
     # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock);
     # torch's thread count (start: --threads) is given back after, for whoever called train()
-    with checkpoint.RunLock(out) if main else contextlib.nullcontext(), threads_kept():
+    with checkpoint.run_lock(out) if main else contextlib.nullcontext(), threads_kept():
         run = start(cfg, out, build)
         # the handlers stay through the writing after the loop: a signal in the run's last second
         # is noted and the summary and curves.png are finished (it once killed the process between them)
@@ -139,7 +140,7 @@ def close_run(run: Run, out: Path, main: bool) -> None:
     checkpoint.release(out)                          # the room held for the end: the summary's now
     state.lost_log_lines = run.metrics.lost + run.samples.lost     # lines a full disk refused
     state.seconds += time.time() - run.started       # the whole run's, over every resume
-    run.summary = report.finish(run.learner.task, out, state, run.stability.episodes, run.log)
+    run.summary = report.finish(run.learner.task, out, state, (run.stability, run.collapse), run.log)
     if state.failed_saves and checkpoint.find(out) is None:       # --quiet hides progress, never this
         run.summary["unsaved"] = True
         run.warn(f"error: none of this run's {state.failed_saves} checkpoint(s) could be written "
@@ -241,14 +242,15 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
                                                      cfg.kl_target_max, cfg.kl_horizon, cfg.n))
     adaptive = entropy_control.AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta) \
         if cfg.entropy_target > 0 else None
-    stability = monitor.StabilityMonitor(cfg.alert_entropy)
+    stability, collapse = monitor.StabilityMonitor(cfg.alert_entropy), monitor.CollapseCount(cfg.n)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     state = RunState()
     # what a checkpoint keeps besides the weights, the optimizer and the loop's state
-    controllers = {name: c for name, c in (("monitor", stability), ("kl_control", kl_control),
-                                           ("entropy_control", adaptive), ("value_head", value_head),
-                                           ("rollout_policy", learner.rollout_policy)) if c is not None}
+    controllers = {name: c for name, c in (("monitor", stability), ("collapse", collapse),
+                                           ("kl_control", kl_control), ("entropy_control", adaptive),
+                                           ("value_head", value_head), ("rollout_policy", learner.rollout_policy))
+                   if c is not None}
     if cfg.resume:                                   # every rank loads rank 0's checkpoint
         saved, used = checkpoint.restore_newest(Path(cfg.resume), model, optimizer, rng, log)
         state = RunState.from_checkpoint(dict(saved["loop"], step=saved["step"]))
@@ -287,8 +289,8 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         except Exception as e:                       # a read-only folder, a full disk, a too-old package
             print(f"train.py: --tensorboard: cannot write to {out / 'tensorboard'} ({type(e).__name__}: "
                   f"{str(e)[:160]}); the run goes on, metrics.jsonl has every number", file=sys.stderr)
-    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, controllers, state,
-              rng, prompts_of(task, cfg), *logs, log, started,
+    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, collapse, controllers,
+              state, rng, prompts_of(task, cfg), *logs, log, started,
               warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
         held_out(run, row := {"step": 0})                    # before any update: evaluation only

@@ -447,13 +447,12 @@ def test_the_default_folder_names_the_model_and_the_start():
 
 def test_a_second_run_into_a_busy_folder_is_refused_in_one_line(tmp_path, capsys):
     (tmp_path / "run").mkdir()
-    lock = checkpoint.RunLock(tmp_path / "run")                       # a run in progress there
-    with pytest.raises(checkpoint.RunBusy, match="another run is writing"):
-        train.train(config.parse_config(flags(tmp_path, "run")))
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags(tmp_path, "run")], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "another run" in proc.stderr
-    lock.release()
+    with checkpoint.run_lock(tmp_path / "run"):                       # a run in progress there
+        with pytest.raises(checkpoint.RunBusy, match="another run is writing"):
+            train.train(config.parse_config(flags(tmp_path, "run")))
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *flags(tmp_path, "run")], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "another run" in proc.stderr
     train.train(config.parse_config(flags(tmp_path, "run", "--steps", "1")))   # free again
 
 
@@ -658,7 +657,7 @@ def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_
     followed its parent's newest checkpoint, silently switching its reference model."""
     parent, child = tmp_path / "parent", tmp_path / "child"
     train.train(config.parse_config(flags(tmp_path, "parent", "--save-every", "2")))
-    with checkpoint.RunLock(parent):                                  # the parent, running again
+    with checkpoint.run_lock(parent):                                  # the parent, running again
         exits_2(capsys, lambda: config.parse_config(flags(tmp_path, "child", "--init-from", str(parent))),
                 "still running")
     train.train(config.parse_config(flags(tmp_path, "child", "--init-from", str(parent), "--save-every", "2")))
@@ -726,7 +725,7 @@ def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
     common = "--steps 2 --sft-steps 5 --batch 2 --k 4 --hidden 16 --layers 1 --quiet --cache-dir " + str(tmp_path / "c")
     compare.main(["--k 4", "--seeds", "1", "--common", common, "--out", str(tmp_path / "cmp")])
     (run,) = (tmp_path / "cmp" / "runs").glob("*/s0")
-    with checkpoint.RunLock(run):
+    with checkpoint.run_lock(run):
         exits_2(capsys, lambda: compare.main(["--k 4", "--seeds", "1", "--common", common, "--out",
                                               str(tmp_path / "cmp"), "--overwrite"]), "is writing in")
     train.train(config.parse_config(flags(tmp_path, "r", "--save-every", "2")))
