@@ -15,6 +15,8 @@ a rule stated in the code below (never tuned to agree). results/SUMMARY.md colle
 """
 import argparse
 import fcntl
+import hashlib
+import inspect
 import json
 import os
 import re
@@ -57,9 +59,16 @@ def summary_md(results: dict) -> str:
         when = f"{r.get('date', '?')}, {seeds}" + \
             (", QUICK: a smoke test, not a result" if r.get("quick") else "")
         source = f"report {r['report']}" if re.match(r"\d{3}\b", r["report"]) else r["report"]   # or the papers
+        rule = r.get("rule") or {}
+        ruled = (f"\n- **Rule** (registered {rule.get('registered') or 'with no runs'}, sha256 {rule['sha256']}): "
+                 f"{rule['text']}" if rule.get("sha256") else "")
+        changed = rule.get("changed")
+        if changed:
+            ruled += (f"\n- **Rule changed after runs existed.** Under the rule registered "
+                      f"{changed.get('registered')} (\"{changed['rule']}\") the verdict was: {changed['verdict']}")
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
-                     f"({when}; {r['seconds']:.0f} s){fig}\n")
+                     f"({when}; {r['seconds']:.0f} s){ruled}{fig}\n")
     return "\n".join(parts)
 
 
@@ -113,7 +122,8 @@ def main(argv=None):
         print(f"{name} ...", flush=True)
         lab.seeds_ran = set()
         entry = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,   # seeds: those it ran (None: no runs)
-                     date=time.strftime("%Y-%m-%d"), seeds=len(lab.seeds_ran) or None, quick=args.quick)
+                     date=time.strftime("%Y-%m-%d"), seeds=len(lab.seeds_ran) or None, quick=args.quick,
+                     rule=rule_of(EXPERIMENTS[name]))
         mark = "QUICK, a smoke test and not a verdict: " if args.quick else ""
         print(f"{name}: {mark}{entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry)                                        # after every experiment
@@ -133,7 +143,7 @@ def real_lab(args, out: Path) -> None:
         t0 = time.time()
         print(f"{name} ...", flush=True)
         entry = dict(REAL[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
-                     seeds=lab.seeds, quick=False)
+                     seeds=lab.seeds, quick=False, rule=rule_of(REAL[name]))
         print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry, order=list(REAL))
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
@@ -152,12 +162,44 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
         old = results.get(name, {})
         if all(old.get(k) == entry.get(k) for k in ("measured", "verdict", "seeds", "quick")):
             entry = dict(entry, seconds=old["seconds"], date=old.get("date"))
-        results[name] = entry
+        results[name] = registered(entry, old)
         results = {n: results[n] for n in (order or EXPERIMENTS) if n in results}
         for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results))):
             tmp = out / f".{file}.tmp-{os.getpid()}"
             tmp.write_text(text)
             os.replace(tmp, out / file)
+
+
+def rule_of(experiment) -> dict | None:
+    """An experiment's rule as its code states it: the comment blocks that open with "# rule:" or
+    "# rule (" in its function (each block runs to the first line that is not a comment), and their sha256."""
+    lines, text, inside = inspect.getsource(experiment).splitlines(), [], False
+    for line in lines:
+        inside = bool(re.match(r"# rules?( \(|:)", line.strip())) or (inside and line.strip().startswith("#"))
+        text += [line.strip().lstrip("# ")] if inside else []
+    if not text:
+        return None
+    joined = " ".join(text)
+    return {"text": joined, "sha256": hashlib.sha256(joined.encode()).hexdigest()[:16]}
+
+
+def registered(entry: dict, old: dict) -> dict:
+    """The entry with its rule's registration: the date the rule was first recorded with runs
+    (kept while the rule stays the same), and, when the rule changed after runs existed under
+    an older one, that rule, its registration and the verdict recorded under it (`changed`).
+    A --quick entry registers nothing: a smoke test is not a result."""
+    rule = entry.get("rule")
+    if rule is None or entry.get("quick"):
+        return entry
+    before = old.get("rule") if not old.get("quick") else None
+    if before and before.get("sha256") == rule["sha256"]:
+        rule = dict(rule, registered=before.get("registered"), changed=before.get("changed"))
+    elif before:                          # a new rule over runs of an old one: the old one's verdict stays beside
+        rule = dict(rule, registered=entry["date"], changed=dict(rule=before["text"], registered=before.get(
+            "registered"), verdict=old.get("verdict"), measured=old.get("measured")))
+    else:
+        rule = dict(rule, registered=entry["date"], changed=None)
+    return dict(entry, rule=rule)
 
 
 ENTRY_KEYS = ("report", "claim", "measured", "verdict", "seconds")     # what SUMMARY.md reads of an entry

@@ -201,3 +201,26 @@ def test_lesson_1s_shares_are_exact_by_enumeration():
     assert len(list(figures.compositions(16, 3))) == 153                                     # C(18, 2)
     assert figures.exact_shares("group", 8)[0] == pytest.approx(0.0549, abs=5e-4)
     assert figures.exact_shares("batch", 2) is None                   # depends on the groups' arrangement
+
+
+def test_a_rule_is_registered_with_its_first_runs_and_a_change_after_runs_keeps_the_old_verdict_beside():
+    """The lab records each experiment's rule (its "# rule" comments, hashed) with the date of its
+    first runs; the same rule keeps that date; a rule changed after runs existed is flagged in
+    SUMMARY.md with the old rule and the verdict recorded under it; a --quick entry registers
+    nothing."""
+    def entry(text, verdict, date, quick=False):
+        return dict(report="001", claim="c", measured="m", verdict=verdict, seconds=1.0, date=date, quick=quick,
+                    rule={"text": text, "sha256": str(hash(text))})
+    first = lab.registered(entry("rule: A", "reproduced", "2026-01-01"), {})
+    assert first["rule"]["registered"] == "2026-01-01" and first["rule"]["changed"] is None
+    again = lab.registered(entry("rule: A", "reproduced", "2026-02-01"), first)
+    assert again["rule"]["registered"] == "2026-01-01"
+    changed = lab.registered(entry("rule: B", "not reproduced", "2026-03-01"), again)
+    assert changed["rule"]["registered"] == "2026-03-01"
+    assert changed["rule"]["changed"] == dict(rule="rule: A", registered="2026-01-01", verdict="reproduced",
+                                              measured="m")
+    text = lab.summary_md({"group_norm": changed})
+    assert "Rule changed after runs existed" in text and "the verdict was: reproduced" in text
+    assert lab.registered(entry("rule: A", "reproduced", "2026-01-01", quick=True), {})["rule"].get("registered") is None
+    assert "# rule" not in lab.rule_of(lab.EXPERIMENTS["kl_range"])["text"]          # comments read, marks off
+    assert lab.rule_of(lab.EXPERIMENTS["kl_range"])["text"].startswith("rule: beta reaches the floor")

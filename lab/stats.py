@@ -1,0 +1,171 @@
+"""The lab's statistics: an exact test for each kind of number a verdict reads, and the smallest
+effect a design can detect.
+
+    counts     runs that ended collapsed, a out of n1 against b out of n2: Fisher's exact test
+               (`fisher`), from the hypergeometric law of a given a + b
+    means      a number per run (held-out best at the end) in two arms: a permutation test of the
+               difference of means (`permutation`), exact over every split of the runs into the
+               arms when there are at most RESAMPLES of them, else RESAMPLES random splits
+    paired     two arms that share their seeds (the same warm start, the same prompts): the
+               sign-flip test of the mean difference (`sign_flip`), exact up to 2^14 runs
+    intervals  a percentile bootstrap of the difference of means (`bootstrap`)
+
+Every test here is one-sided: a report's claim names its direction ("K=8 learns more"), and a
+difference the other way is no evidence for it. A verdict reads p < ALPHA as the claim's effect,
+and p >= ALPHA as "inconclusive", not as its absence, unless the design could have seen it:
+`fisher_power` and `detectable_mean` say what it could. With 3 runs an arm no test reaches
+p < 0.05 (the smallest one-sided p of three runs against three is 1 / C(6, 3) = 0.05), so a
+three-seed comparison is inconclusive whatever it shows.
+
+    python -m lab.stats     # the committed SmolLM2 comparison's p, and how many seeds an effect needs
+"""
+import itertools
+import json
+import math
+import random
+import statistics
+from pathlib import Path
+
+ALPHA = 0.05
+RESAMPLES = 20000
+
+
+def fisher(a: int, n1: int, b: int, n2: int) -> float:
+    """P(arm 1's count >= a) given a + b successes in n1 + n2 runs, under the null that both
+    arms share one rate: the one-sided p of "arm 1's rate a/n1 is above arm 2's b/n2"."""
+    s, n = a + b, n1 + n2
+    total = math.comb(n, s)
+    return sum(math.comb(n1, x) * math.comb(n2, s - x) for x in range(a, min(n1, s) + 1)) / total
+
+
+def permutation(x: list, y: list, seed: int = 0) -> float:
+    """The one-sided p of "mean(x) is above mean(y)": the share of the splits of the pooled
+    runs into arms of len(x) and len(y) whose difference of means is at least the observed one
+    (the observed split included, so p >= 1 / the number of splits)."""
+    pooled, n = list(x) + list(y), len(x)
+    observed = statistics.fmean(x) - statistics.fmean(y)
+    total = sum(pooled)
+
+    def diff(first_sum: float) -> float:          # mean of arm 1 minus mean of arm 2, from arm 1's sum
+        return first_sum / n - (total - first_sum) / len(y)
+    splits = math.comb(len(pooled), n)
+    tol = 1e-12 * max(1.0, abs(observed))          # float sums of the same runs in another order
+    if splits <= RESAMPLES:
+        hits = sum(diff(sum(pooled[i] for i in idx)) >= observed - tol
+                   for idx in itertools.combinations(range(len(pooled)), n))
+        return hits / splits
+    rng = random.Random(seed)
+    hits = sum(diff(sum(rng.sample(pooled, n))) >= observed - tol for _ in range(RESAMPLES - 1))
+    return (hits + 1) / RESAMPLES
+
+
+def sign_flip(d: list, seed: int = 0) -> float:
+    """The one-sided p of "the paired differences d are above 0 on average": the share of the
+    2^n sign patterns whose mean is at least the observed one (random patterns past 2^14)."""
+    observed, n = statistics.fmean(d), len(d)
+    tol = 1e-12 * max(1.0, abs(observed))
+    if 2 ** n <= 2 ** 14:
+        patterns = itertools.product((1, -1), repeat=n)
+        return statistics.fmean(statistics.fmean(s * v for s, v in zip(p, d)) >= observed - tol for p in patterns)
+    rng = random.Random(seed)
+    hits = sum(statistics.fmean(v * rng.choice((1, -1)) for v in d) >= observed - tol for _ in range(RESAMPLES - 1))
+    return (hits + 1) / RESAMPLES
+
+
+def bootstrap(x: list, y: list, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of mean(x) - mean(y), each arm resampled on its own."""
+    rng = random.Random(seed)
+    diffs = sorted(statistics.fmean(rng.choices(x, k=len(x))) - statistics.fmean(rng.choices(y, k=len(y)))
+                   for _ in range(RESAMPLES))
+    cut = (1 - level) / 2
+    return diffs[int(cut * RESAMPLES)], diffs[min(RESAMPLES - 1, int((1 - cut) * RESAMPLES))]
+
+
+# ---- what a design can see ----
+
+def fisher_power(p1: float, p2: float, n1: int, n2: int, alpha: float = ALPHA) -> float:
+    """P(fisher(a, n1, b, n2) < alpha) when arm 1's runs succeed with probability p1 and arm
+    2's with p2: every (a, b) with its binomial probability, enumerated."""
+    def pmf(k, n, p):
+        return math.comb(n, k) * p ** k * (1 - p) ** (n - k)
+    return sum(pmf(a, n1, p1) * pmf(b, n2, p2) for a in range(n1 + 1) for b in range(n2 + 1)
+               if fisher(a, n1, b, n2) < alpha)
+
+
+def seeds_for_counts(p1: float, p2: float, power: float = 0.8, most: int = 200) -> int | None:
+    """The fewest runs an arm (both arms alike) for Fisher's test to see p1 above p2 with this
+    power; None past `most`. Power is not monotone in n for an exact test: the first n that
+    reaches it and keeps it for the next two is taken."""
+    for n in range(2, most + 1):
+        if all(fisher_power(p1, p2, m, m) >= power for m in (n, n + 1, n + 2)):
+            return n
+    return None
+
+
+def detectable_mean(sd: float, n1: int, n2: int, power: float = 0.8, alpha: float = ALPHA) -> float:
+    """The smallest difference of means a one-sided test of two arms of n1 and n2 runs, each
+    with standard deviation sd, detects with this power (normal approximation:
+    (z_{1-alpha} + z_{power}) * sd * sqrt(1/n1 + 1/n2)); a permutation test needs at least it.
+    inf when no split of the runs can reach p < alpha (1 / C(n1 + n2, n1) >= alpha: 3 against 3)."""
+    if 1 / math.comb(n1 + n2, n1) >= alpha:
+        return math.inf
+    z = statistics.NormalDist().inv_cdf
+    return (z(1 - alpha) + z(power)) * sd * math.sqrt(1 / n1 + 1 / n2)
+
+
+def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = ALPHA) -> int:
+    """Runs an arm for detectable_mean to reach effect."""
+    n = 2
+    while detectable_mean(sd, n, n, power, alpha) > effect:
+        n += 1
+    return n
+
+
+def binomial_se(p: float, samples: int) -> float:
+    """The standard error of a held-out rate measured on `samples` samples: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1 - p) / samples)
+
+
+def decide(p: float, alpha: float = ALPHA) -> str:
+    """A claim's one-sided test read as a verdict word: its effect is seen, or the test cannot
+    tell (never "refuted" from p alone: that needs the design's power, said beside it)."""
+    return "reproduced" if p < alpha else "inconclusive"
+
+
+REAL = Path(__file__).resolve().parent.parent / "results" / "smollm2-135m"
+
+
+def committed(experiment: str, arm: str, key: str) -> list:
+    """key of every committed SmolLM2 run of one arm of an experiment, in seed order."""
+    runs = sorted((REAL / experiment / "runs" / arm).glob("s*/summary.json"))
+    return [json.loads(r.read_text())[key] for r in runs]
+
+
+def main() -> None:
+    arms = {arm: committed("real_group_size", arm, "eval_best_rate_end")
+            for arm in ("K=2,_B=3", "K=8,_B=3", "K=8,_B=3,_entropy_bonus_0.01")}
+    sd = math.sqrt(statistics.fmean(statistics.variance(x) for x in arms.values()))   # pooled, equal arms
+    k2, k8 = arms["K=2,_B=3"], arms["K=8,_B=3"]
+    print("The committed SmolLM2 runs (results/smollm2-135m/real_group_size, held-out best at the end):")
+    for arm, x in arms.items():
+        print(f"  {arm:30s} {x}")
+    mde, n = detectable_mean(sd, len(k8), len(k2)), len(k8)
+    seen = f"nothing (no split of {n} runs against {n} reaches p < 0.05)" if mde == math.inf else f"{mde:.2f}"
+    print(f"  K=8 above K=2: {statistics.fmean(k8) - statistics.fmean(k2):+.3f}, one-sided permutation p = "
+          f"{permutation(k8, k2):.2f}; the pooled sd over seeds is {sd:.3f}; {n} runs an arm detect {seen}; "
+          f"this difference needs {seeds_for_mean(statistics.fmean(k8) - statistics.fmean(k2), sd)} runs an arm")
+    print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
+    print("how often a setting ends collapsed (Fisher's exact test)")
+    for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3)):
+        print(f"  {p1:.0%} against {p2:.0%}: {seeds_for_counts(p1, p2)} runs an arm")
+    print(f"a difference of held-out means, at the sd above ({sd:.3f})")
+    for effect in (0.1, 0.15, 0.25):
+        print(f"  {effect:.2f}: {seeds_for_mean(effect, sd)} runs an arm")
+    print("the binomial standard error of one held-out rate near 0.25")
+    for n in (16, 64, 128, 256):
+        print(f"  {n} samples: {binomial_se(0.25, n):.3f}")
+    print(f"three runs against three: the smallest one-sided p is {permutation([1, 1, 1], [0, 0, 0]):.3f}")
+
+
+if __name__ == "__main__":
+    main()

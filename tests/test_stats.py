@@ -1,0 +1,93 @@
+"""The lab's statistics (lab/stats.py) against hand arithmetic and naive loops over every
+relabelling, and the design fact the lab's verdicts rest on: three runs an arm cannot reach
+p < 0.05."""
+import itertools
+import math
+import random
+import statistics
+
+import pytest
+
+from lab import stats
+
+
+def naive_permutation_p(x, y):
+    """Every ordering of the pooled runs, the first len(x) taken as arm 1 (each split counted
+    len(x)! len(y)! times, which the share does not see)."""
+    pooled, n = x + y, len(x)
+    observed = statistics.fmean(x) - statistics.fmean(y)
+    orders = list(itertools.permutations(pooled))
+    hits = sum(statistics.fmean(o[:n]) - statistics.fmean(o[n:]) >= observed - 1e-12 for o in orders)
+    return hits / len(orders)
+
+
+def test_fisher_against_hand_arithmetic():
+    # the lady tasting tea: 3 of 4 against 1 of 4; P(X >= 3) = (C(4,3) C(4,1) + C(4,4) C(4,0)) / C(8,4)
+    assert stats.fisher(3, 4, 1, 4) == pytest.approx(17 / 70)
+    # one run of three on one answer against none of three: C(3,1) C(3,0) / C(6,1)
+    assert stats.fisher(1, 3, 0, 3) == pytest.approx(0.5)
+    assert stats.fisher(0, 3, 1, 3) == 1.0                      # the other way: no evidence at all
+    assert stats.fisher(3, 3, 0, 3) == pytest.approx(1 / 20)    # the most three against three can say
+
+
+def test_three_runs_an_arm_can_never_reach_p_below_005():
+    """Whatever three runs against three show, no one-sided exact test gives p < 0.05: Fisher's
+    power is 0 even for 100% against 0%, and the permutation test's smallest p is 1/20."""
+    assert stats.fisher_power(1.0, 0.0, 3, 3) == 0.0
+    assert stats.fisher_power(1.0, 0.0, 4, 4) == 1.0            # four can: 1 / C(8, 4) = 1/70
+    assert stats.permutation([0.9, 0.8, 0.7], [0.1, 0.2, 0.3]) == pytest.approx(1 / 20)
+    assert stats.decide(stats.permutation([0.9, 0.8, 0.7], [0.1, 0.2, 0.3])) == "inconclusive"
+    assert stats.detectable_mean(0.01, 3, 3) == math.inf and stats.detectable_mean(0.01, 4, 4) < math.inf
+
+
+@pytest.mark.parametrize("x, y", [([0.33, 0.5, 0.17], [0.17, 0.0, 0.33]),
+                                  ([0.52, 0.61, 0.43, 0.9], [0.77, 0.7, 0.8]),
+                                  ([1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0])])
+def test_the_permutation_test_equals_a_loop_over_every_ordering(x, y):
+    assert stats.permutation(x, y) == pytest.approx(naive_permutation_p(x, y))
+
+
+def test_past_the_exact_limit_the_random_splits_land_within_their_error_of_the_exact_p():
+    rng = random.Random(3)
+    x = [rng.gauss(0.3, 0.2) for _ in range(10)]
+    y = [rng.gauss(0.15, 0.2) for _ in range(10)]                # C(20, 10) = 184,756 splits > RESAMPLES
+    pooled, observed = x + y, statistics.fmean(x) - statistics.fmean(y)
+    total = sum(pooled)
+    exact = statistics.fmean(sum(pooled[i] for i in idx) / 10 - (total - sum(pooled[i] for i in idx)) / 10
+                             >= observed - 1e-12 for idx in itertools.combinations(range(20), 10))
+    got = stats.permutation(x, y)
+    assert abs(got - exact) <= 4 * math.sqrt(exact * (1 - exact) / stats.RESAMPLES) + 1 / stats.RESAMPLES
+
+
+def test_sign_flip_against_a_loop_and_by_hand():
+    assert stats.sign_flip([0.1, 0.2, 0.05, 0.3, 0.15]) == pytest.approx(1 / 32)      # all five positive
+    d = [0.2, -0.1, 0.3, 0.05]
+    patterns = list(itertools.product((1, -1), repeat=4))
+    want = sum(statistics.fmean(s * v for s, v in zip(p, d)) >= statistics.fmean(d) - 1e-12 for p in patterns) / 16
+    assert stats.sign_flip(d) == pytest.approx(want)
+
+
+def test_fisher_power_against_a_simulation():
+    rng = random.Random(0)
+    trials, hits = 4000, 0
+    for _ in range(trials):
+        a = sum(rng.random() < 0.6 for _ in range(10))
+        b = sum(rng.random() < 0.1 for _ in range(10))
+        hits += stats.fisher(a, 10, b, 10) < 0.05
+    want = stats.fisher_power(0.6, 0.1, 10, 10)
+    assert abs(hits / trials - want) < 4 * math.sqrt(want * (1 - want) / trials)
+
+
+def test_the_detectable_mean_and_the_seeds_it_needs_by_hand():
+    # (z_0.95 + z_0.8) * sd * sqrt(2 / n) = (1.6449 + 0.8416) * 0.2 * sqrt(2 / 10)
+    assert stats.detectable_mean(0.2, 10, 10) == pytest.approx(2.4865 * 0.2 * math.sqrt(0.2), rel=1e-4)
+    n = stats.seeds_for_mean(0.25, 0.2)
+    assert stats.detectable_mean(0.2, n, n) <= 0.25 < stats.detectable_mean(0.2, n - 1, n - 1)
+    assert stats.binomial_se(0.25, 16) == pytest.approx(math.sqrt(0.25 * 0.75 / 16))       # 0.108: README's 0.11
+
+
+def test_the_bootstrap_interval_holds_the_observed_difference_and_is_a_point_for_constant_arms():
+    lo, hi = stats.bootstrap([0.5, 0.7, 0.6, 0.9], [0.1, 0.3, 0.2])
+    assert lo <= statistics.fmean([0.5, 0.7, 0.6, 0.9]) - 0.2 <= hi
+    assert stats.bootstrap([0.4, 0.4], [0.1, 0.1]) == pytest.approx((0.3, 0.3))
+
