@@ -52,38 +52,67 @@ def false_collapse_rate(p: float, n: int) -> float:
 def false_collapse_given(rate: float, n: int) -> float:
     """P(flag on the next step | this step's on-format rate), for a policy frozen at that
     rate: P(Binomial(n, rate) <= n * rate / 2); 0 when the rate is 0 (the flag needs > 0).
-    Summed over a run's updated steps and divided by its updates, this is the crash rate a
-    frozen policy would show along the run's own rates: train.py's crash_floor."""
+    The rate stands for the policy's own p here, which the observed rate after a flag's first
+    step overstates (CollapseCount below takes p from a window instead)."""
     if rate <= 0:
         return 0.0
     return binomial_cdf(int(round(n * rate)) // 2, n, rate)
 
 
+# A frozen policy's rate p is not the rate the flag compares against: after x of n on-format
+# samples, the flag's chance under the null is P(Binomial(n, p) <= x / 2) at the policy's p, and
+# x / n is a biased guess of p on exactly the steps that can flag (x > 0 is itself selected: at
+# p = 0.03 and n = 6 the flag follows x = 1 with chance 0.97^6 = 0.83, and x / n = 1/6 says 0.33).
+# CollapseCount takes p from the WINDOW steps before the updated one instead (all of them, updated
+# or not: under the null they are independent of the two steps the flag reads).
+WINDOW = 10
+
+
 class CollapseCount:
     """Report 001's statistic, counted as a run goes (train.py's steer), beside its null: a step
-    is collapsed_after_update when the step before it took an update from an on-format rate
-    p > 0 and this step's rate is at most p / 2; `floor` sums false_collapse_given(p, n) over
-    the same steps, the count a frozen policy would reach along the run's own rates."""
+    is collapsed_after_update when the step before it took an update from x > 0 on-format
+    samples of n and this step has at most x / 2; `floor` sums, over the same steps, the flag's
+    chance for a policy frozen at the rate of the last WINDOW steps: the count sampling noise
+    alone would reach along the run's own rates."""
 
     def __init__(self, n: int):
         self.n, self.collapses, self.floor = n, 0, 0.0
         self.before = None               # the on-format rate the last step updated from, or None
+        self.last = None                 # the last step's on-format rate, updated or not
+        self.recent = deque(maxlen=WINDOW)    # the WINDOW steps' rates before the last one
 
     def update(self, updated: bool, on_format: float | None) -> bool:
         """Count one step (on_format: its rate, None when nothing was sampled); True when it is
         collapsed_after_update."""
         collapsed = bool(self.before and on_format is not None and on_format <= self.before / 2)
         if self.before is not None and on_format is not None:
-            self.floor += false_collapse_given(self.before, self.n)
+            x = int(round(self.n * self.before))
+            self.floor += self.chance_at_most(x // 2) if x > 0 else 0.0
         self.collapses += collapsed
-        self.before = on_format if updated else None
+        if self.last is not None:                  # the window: every step before the one that updates next
+            self.recent.append(self.last)
+        self.before, self.last = (on_format if updated else None), on_format
         return collapsed
 
+    def chance_at_most(self, k: int) -> float:
+        """P(Binomial(n, p) <= k) at the frozen policy's p, estimated without bias from the
+        window's samples (M = n a step, S on-format): the chance that n of them drawn without
+        replacement hold at most k on-format, sum_i<=k C(S, i) C(M - S, n - i) / C(M, n)
+        (a plug-in p would be biased: the flag's chance is not linear in p). With no step before
+        the updated one (the run's first), its own rate stands for p."""
+        if not self.recent:
+            return binomial_cdf(k, self.n, self.before)
+        counts = [int(round(self.n * r)) for r in self.recent]
+        m, s = self.n * len(counts), sum(counts)
+        return sum(math.comb(s, i) * math.comb(m - s, self.n - i) for i in range(k + 1)) / math.comb(m, self.n)
+
     def state_dict(self) -> dict:
-        return {"collapses": self.collapses, "floor": self.floor, "before": self.before}
+        return {"collapses": self.collapses, "floor": self.floor, "before": self.before, "last": self.last,
+                "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.collapses, self.floor, self.before = state["collapses"], state["floor"], state["before"]
+        self.collapses, self.floor, self.before, self.last = (state[k] for k in ("collapses", "floor", "before", "last"))
+        self.recent.extend(state["recent"])
 
 
 class StabilityMonitor:
