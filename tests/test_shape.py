@@ -58,6 +58,43 @@ def code_files() -> list:
     return [p for p in ROOT.glob("*.py")] + [p for pkg in MACHINERY for p in (ROOT / pkg).glob("*.py")]
 
 
+def module_imports() -> dict:
+    """Each of the project's modules ('running.session', 'grpo', ...) and the project modules it
+    imports at its top level (an import inside a function or under TYPE_CHECKING is not a
+    dependency at import time)."""
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in [*ROOT.glob("*.py"), *(q for pkg in (*MACHINERY, "tools") for q in (ROOT / pkg).glob("*.py"))]}
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name in files}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module if node.level == 0 else ".".join([*name.split(".")[:-1], node.module])
+                deps |= {m for m in (base, *(f"{base}.{a.name}" for a in node.names)) if m in files}
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_circles():
+    graph, done, path = module_imports(), set(), []
+
+    def visit(name):                       # depth first; a module met again on the current path closes a circle
+        if name in path:
+            raise AssertionError(f"import circle: {' -> '.join(path[path.index(name):] + [name])}")
+        if name in done:
+            return
+        path.append(name)
+        for dep in sorted(graph[name]):
+            visit(dep)
+        path.pop()
+        done.add(name)
+    for name in sorted(graph):
+        visit(name)
+    assert len(graph) > 40 and graph["train"] >= {"grpo", "update", "running.session"}
+
+
 def test_the_tools_are_outside_the_course_and_the_lab():
     users = [p.relative_to(ROOT) for p in code_files() if "tools" in imported(p)]
     assert users == [], "a lesson, train.py, the machinery or the lab imports tools/"
