@@ -161,3 +161,14 @@ if __name__ == "__main__":
     print("   p  " + "".join(f"  N={n:<5d}" for n in ns))
     for p in (0.2, 0.4, 0.57, 0.6, 0.8, 0.95):
         print(f"{p:5.2f} " + "".join(f"  {false_collapse_rate(p, n):7.2%}" for n in ns))
+    import random
+    print("\na frozen policy, 20,000 steps at N = 6 (seed 1): flags raised, and the floor of the updated")
+    print("step's own rate (the old estimator) and of CollapseCount's window, beside the exact expectation")
+    for p in (0.03, 0.3, 0.57, 0.8):
+        rng, count, own = random.Random(1), CollapseCount(6), 0.0
+        for _ in range(20000):
+            if count.before is not None:
+                own += false_collapse_given(count.before, 6)
+            count.update(True, sum(rng.random() < p for _ in range(6)) / 6)
+        print(f"  p = {p:4.2f}: {count.collapses} flags; own rate {own:.0f}, window {count.floor:.0f}, "
+              f"exact {19999 * false_collapse_rate(p, 6):.0f}")
