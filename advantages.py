@@ -49,8 +49,7 @@ Conventions (chosen, not laws; the tests show the alternatives):
 from dataclasses import dataclass, field
 
 import torch
-
-from distributed import all_sum
+import torch.distributed as dist
 
 NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "none")
 GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo")  # these need K >= 2
@@ -265,3 +264,30 @@ def frac_zero_std(rewards: torch.Tensor, k: int) -> float:
 def frac_pm1(advantages: torch.Tensor, tol: float = 1e-6) -> float:
     """Share of advantages whose magnitude is 1 (within tol): the K=2 signature."""
     return ((advantages.abs() - 1).abs() <= tol).float().mean().item()
+
+
+# ---- under torchrun: a sum over processes (the identity in one process) ----
+
+def world_size() -> int:
+    """W, the processes training together (torchrun's process group), or 1."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over every process (a new tensor on x's device); x itself in one process."""
+    return all_reduce(x, dist.ReduceOp.SUM)
+
+
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    """x's elementwise maximum over every process; x itself in one process."""
+    return all_reduce(x, dist.ReduceOp.MAX)
+
+
+def all_reduce(x: torch.Tensor, op) -> torch.Tensor:
+    """x reduced by op over every process. nccl (GPUs) reduces tensors on the GPU, gloo (CPUs)
+    on the CPU."""
+    if world_size() == 1:
+        return x
+    y = x.detach().clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(y, op=op)
+    return y.to(x.device)

@@ -15,28 +15,29 @@ docs/metrics.md). The ones this course leans on:
     sampling/*             how far the sampler's log-probs are from the trainer's (mismatch.py)
     explained_variance     PPO: how much of the returns' variance the critic explains (ppo.py)
 
-Under torchrun each rank's pieces are joined first (distributed.concat), so every rank holds the
-numbers one process would compute on the same rollouts, and every decision taken from them
-(beta, the monitor, a stop) is the same on every rank.
+Under torchrun each rank's pieces are joined first (`join`: train.py passes
+running/distributed.concat), so every rank holds the numbers one process would compute on the
+same rollouts, and every decision taken from them (beta, the monitor, a stop) is the same on
+every rank.
 """
 import torch
 
 import advantages
-import distributed
 import kl
 import mismatch
 import ppo
 
 
-def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
+def rollout_metrics(batch, outcomes: list, task, hp, join=lambda parts: parts) -> dict:
     """The metrics of a step's rollouts: rewards, the task's rates, the advantages and the KL to
-    the reference, over the whole batch (each rank's pieces, one entry per rollout or per policy
-    token, joined first). hp: grpo.HyperParams (k, beta, algo)."""
+    the reference, over the whole batch: each rank's pieces (one entry per rollout or per policy
+    token) joined first by join (the identity in one process). hp: grpo.HyperParams (k, beta,
+    algo)."""
     mask = batch.completion_mask.bool()                                              # (N, C)
     kl_t = kl.estimate(batch.old_logp, batch.ref_logp, "k3") \
         if batch.ref_logp is not None and batch.old_logp is not None else None   # (N, C)
     ppo_critic = hp.algo == "ppo" and batch.returns is not None
-    p = distributed.concat(dict(
+    p = join(dict(
         rewards=batch.rewards, outcomes=list(outcomes), seq_adv=batch.sequence_advantages(),   # (N,)
         lengths=mask.sum(1), truncated=batch.truncated,                                        # (N,)
         adv=batch.advantages[mask] if batch.advantages.dim() == 2 else batch.advantages,       # the loss's
@@ -54,20 +55,20 @@ def rollout_metrics(batch, outcomes: list, task, hp) -> dict:
                kl=p["kl"].mean().item() if p["kl"] is not None else None, kl_coef=hp.beta)
     row.update(completion_lengths(p["lengths"], p["truncated"]))
     if batch.rollout_logp is not None and batch.old_logp is not None:      # the rollout/training mismatch
-        row.update(mismatch_metrics(batch))
+        row.update(mismatch_metrics(batch, join))
     if ppo_critic and finite.all():
         row["explained_variance"] = ppo.explained_variance(p["values"], p["returns"],
                                                            torch.ones_like(p["values"]))
     return row
 
 
-def mismatch_metrics(batch) -> dict:
+def mismatch_metrics(batch, join) -> dict:
     """mismatch.diagnostics over the whole batch's policy tokens (joined over ranks): how far the
     sampler's log-probs are from the policy's recomputed ones, and the correction's weight."""
     mask = batch.completion_mask.bool()                                              # (N, C)
     log_w = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "token")  # (N, C)
     seq = log_w.sum(1) / mask.sum(1).clamp_min(1)                                    # (N,) mean log w
-    p = distributed.concat(dict(tokens=log_w[mask], seqs=seq[mask.any(1)],
+    p = join(dict(tokens=log_w[mask], seqs=seq[mask.any(1)],
                                 weights=batch.is_weight[mask] if batch.is_weight is not None else None))
     return mismatch.diagnostics(p["tokens"], p["seqs"], p["weights"])
 

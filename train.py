@@ -37,7 +37,6 @@ from typing import Callable
 
 import torch
 
-import distributed
 import diagnostics
 import dynamic_sampling
 import grpo
@@ -49,7 +48,7 @@ import rewards
 import rollout
 import schedules
 import update
-from running import checkpoint
+from running import checkpoint, distributed
 from running.bookkeeping import end_step
 from running.config import Config, fail, parse_config
 from running.session import Learner, Run, RankLost, open as open_run
@@ -133,7 +132,8 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
             stats = update.update(learner.scorer, learner.optimizer, trained, hp, algo.loss)
     else:
         stats = diagnostics.no_update() if finite else diagnostics.no_update("reward")
-    row = dict(diagnostics.rollout_metrics(batch, outcomes, learner.task, hp), **extra, update_skipped=skipped)
+    row = dict(diagnostics.rollout_metrics(batch, outcomes, learner.task, hp, join=distributed.concat),
+               **extra, update_skipped=skipped)
     if batch.ref_logp is not None and batch.old_logp is None:
         # --fast: the update's forward was the sampling policy's; its KL is the same number.
         row["kl"] = stats.get("ref_kl")

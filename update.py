@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kl
-from distributed import all_max, all_sum, world_size
+from advantages import all_max, all_sum, world_size
 
 
 @dataclass

@@ -19,10 +19,9 @@ import torch
 from safetensors import SafetensorError
 
 import diagnostics
-import distributed
 import logprobs
 import rollout
-from running import checkpoint, evaluate, report
+from running import checkpoint, distributed, evaluate, report
 
 if TYPE_CHECKING:
     from running.session import Run

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
-import distributed
 import tasks
 from models import policy, pretrained
-from running import checkpoint
+from running import checkpoint, distributed
 
 
 class ConfigError(ValueError):

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import advantages
-import distributed
 import dynamic_sampling
 import entropy_control
 import grpo
@@ -34,7 +33,7 @@ import schedules
 import surrogates
 import tasks
 import update
-from running import checkpoint, checks
+from running import checkpoint, checks, distributed
 from running.checks import ConfigError, default_out, saved_fields  # noqa: F401 (default_out: for importers)
 
 

@@ -22,7 +22,6 @@ from typing import Callable
 import torch
 import transformers
 
-import distributed
 import dynamic_sampling
 import entropy_control
 import grpo
@@ -35,7 +34,7 @@ import rollout
 import shared_prefix
 import tasks
 from models import policy, pretrained
-from running import checkpoint, config, report
+from running import checkpoint, config, distributed, report
 from running import checks
 from running.bookkeeping import RunState, held_out, keep_best, reserve_bytes, save_best
 from running.config import Config, default_out

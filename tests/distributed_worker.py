@@ -22,7 +22,7 @@ from conftest import synthetic_batch, tiny_model  # noqa: E402
 
 import advantages  # noqa: E402
 import diagnostics  # noqa: E402
-import distributed  # noqa: E402
+from running import distributed  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import ppo  # noqa: E402
@@ -106,7 +106,8 @@ def compute(batch, classes: list, ranks: int) -> dict:
         out["grad_per_rank_counts"], _ = gradient(batch, hyper("grpo", "token-mean", ranks))
     out["grad"]["ppo"], out["stats"]["ppo"] = gradient(batch, hyper("ppo", "token-mean", ranks))
     batch.advantages = out["adv"]["group"].clone()
-    out["metrics"] = diagnostics.rollout_metrics(batch, classes, workflow_task, hyper("grpo", "token-mean", ranks))
+    out["metrics"] = diagnostics.rollout_metrics(batch, classes, workflow_task, hyper("grpo", "token-mean", ranks),
+                                                 join=distributed.concat)
     return out
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import advantages
-import distributed
 import grpo
 from conftest import quick
 from distributed_worker import one_process
+from running import distributed
 
 ROOT = Path(__file__).parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

@@ -534,7 +534,7 @@ def test_a_run_written_by_an_older_version_is_refused_in_one_line(tmp_path, caps
 def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, monkeypatch):
     """on SIGTERM rank 0 evaluated first and saved after; torchrun kills the group 30 s
     after its SIGTERM, longer than a real model's evaluation, and no checkpoint was left."""
-    import distributed
+    from running import distributed
     from running import bookkeeping
     steps = []
     monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 2 else None))
@@ -552,7 +552,7 @@ def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, mon
 def test_a_kill_during_the_evaluation_after_a_stop_loses_no_step(tmp_path, monkeypatch):
     """SIGTERM, then SIGKILL during the held-out evaluation that follows (torchrun's grace): the
     checkpoint preceded the step's metrics line, and after --resume that step was gone for good."""
-    import distributed
+    from running import distributed
     from running import bookkeeping
     steps = []
     monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 3 else None))

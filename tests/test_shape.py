@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-LESSONS = ("advantages", "diagnostics", "distributed", "dynamic_sampling", "entropy_control", "grpo", "kl",
+LESSONS = ("advantages", "diagnostics", "dynamic_sampling", "entropy_control", "grpo", "kl",
            "logprobs", "mismatch", "monitor", "ppo", "rce", "rewards", "rollout", "shared_prefix", "surrogates",
            "schedules", "tool_env", "update")
 MACHINERY = ("running", "tasks", "models", "lab")

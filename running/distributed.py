@@ -8,13 +8,13 @@ torchrun starts W processes (ranks) and gives each RANK, LOCAL_RANK and WORLD_SI
 environment; `python train.py` sets none of them, and then nothing in this file does anything:
 every helper below is the identity in one process, and no process group is ever made.
 
-How one step is shared out (train.py and running/ call the helpers below; the other lessons
-call only all_sum, all_max and world_size, torch.distributed's sum, max and size):
+How one step is shared out (train.py and running/ call the helpers below; the lessons call
+only advantages.all_sum, all_max and world_size, torch.distributed's sum, max and size):
 - Prompts go to ranks whole. Every rank draws the same B prompts (one prompt RNG, one seed)
   and keeps its B/W (`shard`); it samples all K completions of each, with a sampling seed of
   its own for each step (`sampling_seed`). So a prompt's group lives on one rank, and group
   norm, Dr. GRPO, RLOO and no-baseline need no communication at all.
-- Batch statistics are summed over ranks (all_sum, in advantages.py). global, batch and
+- Batch statistics are summed over ranks (advantages.all_sum). global, batch and
   reinforce++-baseline need the mean and std of the whole batch of N = B*K rewards; on rank
   r with rows R_r:
 
@@ -55,6 +55,8 @@ import os
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+import advantages
 
 
 
@@ -107,29 +109,8 @@ def close() -> None:
 
 # ---- the collectives: the identity in one process ----
 
-def world_size() -> int:
-    """W, the processes training together (torchrun's process group), or 1."""
-    return size() if active() else 1
-
-
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over every process (a new tensor on x's device); x itself in one process."""
-    return all_reduce(x, dist.ReduceOp.SUM)
-
-
-def all_max(x: torch.Tensor) -> torch.Tensor:
-    """x's elementwise maximum over every process; x itself in one process."""
-    return all_reduce(x, dist.ReduceOp.MAX)
-
-
-def all_reduce(x: torch.Tensor, op) -> torch.Tensor:
-    """x reduced by op over every process. nccl (GPUs) reduces tensors on the GPU, gloo (CPUs)
-    on the CPU."""
-    if world_size() == 1:
-        return x
-    y = x.detach().clone().to("cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(y, op=op)
-    return y.to(x.device)
+# the lessons' sum over ranks, the one implementation (nccl sums on the GPU, gloo on the CPU)
+all_sum = advantages.all_sum
 
 
 def sum_float(x: float) -> float:
