@@ -42,9 +42,9 @@ class Lab:
 
     def shrink(self, flags: str) -> str:
         """--quick: every --steps N becomes N // 15 (at least 4; --warmup-steps and --save-every
-        too, at least 1), and sweep warm-starts for 30 steps. --model: every --steps N (and those
-        two) becomes N // REAL_STEPS_DIVISOR and every --lr x becomes x * REAL_LR_SCALE (before
-        --quick shrinks the steps further)."""
+        too, at least 1). --model: every --steps N (and those two) becomes
+        N // REAL_STEPS_DIVISOR and every --lr x becomes x * REAL_LR_SCALE (before --quick
+        shrinks the steps further)."""
         if self.model:
             flags = re.sub(r"--(steps|warmup-steps|save-every) (\d+)",
                            lambda m: f"--{m.group(1)} {max(1, int(m.group(2)) // REAL_STEPS_DIVISOR)}", flags)
@@ -60,9 +60,7 @@ class Lab:
         """Every setting over seeds (default: self.seeds from 0; --quick: the first 2 of the range)."""
         seeds = range(self.seeds) if seeds is None else seeds[:QUICK_SEEDS] if self.quick else seeds
         self.seeds_ran.update(seeds)
-        # --quick: a smoke test of every path, so a 30-step warm start, not the default's 300 (on a
-        # fresh machine most of the smoke test's time); a setting that gives its own --sft-steps keeps it
-        common = self.shrink(common) + (" --eval-every 5 --eval-samples 1 --sft-steps 30" if self.quick else "") \
+        common = self.shrink(common) + (" --eval-every 5 --eval-samples 1" if self.quick else "") \
             + (f" --model {self.model}" if self.model else "")
         settings = [self.shrink(s) for s in settings]
         # an experiment's rerun replaces its own runs: the lab owns its --out folder
