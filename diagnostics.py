@@ -1,7 +1,7 @@
 """What a step shows: the numbers to watch, each computed on the whole batch, and the two silent
 no-ops said in plain words.
 
-    row = diagnostics.rollout_metrics(batch, outcomes, task, hp)    # train.py, after the update
+    row = diagnostics.rollout_metrics(batch, outcomes, task, hp, join)    # train.py, after the update
 
 A run that goes wrong says so in these numbers before its held-out reward does (their formulas:
 docs/metrics.md). The ones this course leans on:
@@ -69,7 +69,7 @@ def mismatch_metrics(batch, join) -> dict:
     log_w = mismatch.log_weights(batch.old_logp, batch.rollout_logp, mask, "token")  # (N, C)
     seq = log_w.sum(1) / mask.sum(1).clamp_min(1)                                    # (N,) mean log w
     p = join(dict(tokens=log_w[mask], seqs=seq[mask.any(1)],
-                                weights=batch.is_weight[mask] if batch.is_weight is not None else None))
+                  weights=batch.is_weight[mask] if batch.is_weight is not None else None))
     return mismatch.diagnostics(p["tokens"], p["seqs"], p["weights"])
 
 

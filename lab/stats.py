@@ -7,7 +7,7 @@ effect a design can detect.
                difference of means (`permutation`), exact over every split of the runs into the
                arms when there are at most RESAMPLES of them, else RESAMPLES random splits
     paired     two arms that share their seeds (the same warm start, the same prompts): the
-               sign-flip test of the mean difference (`sign_flip`), exact up to 2^14 runs
+               sign-flip test of the mean difference (`sign_flip`), exact up to 14 pairs
     intervals  a percentile bootstrap of the difference of means (`bootstrap`)
 
 Every test here is one-sided: a report's claim names its direction ("K=8 learns more"), and a
@@ -61,10 +61,11 @@ def permutation(x: list, y: list, seed: int = 0) -> float:
 
 def sign_flip(d: list, seed: int = 0) -> float:
     """The one-sided p of "the paired differences d are above 0 on average": the share of the
-    2^n sign patterns whose mean is at least the observed one (random patterns past 2^14)."""
+    2^n sign patterns whose mean is at least the observed one (exact up to n = 14; random
+    patterns past it)."""
     observed, n = statistics.fmean(d), len(d)
     tol = 1e-12 * max(1.0, abs(observed))
-    if 2 ** n <= 2 ** 14:
+    if n <= 14:
         patterns = itertools.product((1, -1), repeat=n)
         return statistics.fmean(statistics.fmean(s * v for s, v in zip(p, d)) >= observed - tol for p in patterns)
     rng = random.Random(seed)
@@ -154,6 +155,12 @@ def main() -> None:
     print(f"  K=8 above K=2: {statistics.fmean(k8) - statistics.fmean(k2):+.3f}, one-sided permutation p = "
           f"{permutation(k8, k2):.2f}; the pooled sd over seeds is {sd:.3f}; {n} runs an arm detect {seen}; "
           f"this difference needs {seeds_for_mean(statistics.fmean(k8) - statistics.fmean(k2), sd)} runs an arm")
+    from lab.real import COLLAPSED                   # what "ended on one answer" means in the real-model lab
+    on_one = {arm: sum(x >= COLLAPSED for x in committed(experiment, arm, "eval_one_answer_end"))
+              for experiment, arm in (("real_group_size", "K=8,_B=3"), ("real_entropy_collapse", "adaptive_entropy"))}
+    print(f"  runs ending on one answer (eval_one_answer_end >= {COLLAPSED}): K=8/B=3 {on_one['K=8,_B=3']}/3, with "
+          f"adaptive entropy {on_one['adaptive_entropy']}/3; one-sided Fisher p = "
+          f"{fisher(on_one['K=8,_B=3'], 3, on_one['adaptive_entropy'], 3):.2f}")
     print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
     print("how often a setting ends collapsed (Fisher's exact test)")
     for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3)):
