@@ -45,8 +45,8 @@ only advantages.all_sum, all_max and world_size, torch.distributed's sum, max an
 - Only rank 0 writes: logs, samples, checkpoints, summary, plots. On a resume every rank
   loads rank 0's newest checkpoint (several nodes need the run folder on a shared disk).
 
-Backends: gloo on CPUs, nccl on GPUs (one process per GPU: several processes cannot share a
-GPU under nccl), from the same code.
+Backends: gloo on CPUs, nccl on GPUs (one process per GPU), from the same code; several
+processes on one GPU (nccl refuses them) keep the model there and collect through gloo.
 """
 import contextlib
 import datetime
@@ -91,15 +91,20 @@ _device = "cpu"        # where the collectives' tensors must live: nccl wants th
 
 
 def init(device: str, timeout: float = 300.0) -> None:
-    """Join torchrun's process group: nccl on a GPU (this rank's GPU = LOCAL_RANK), gloo on CPUs.
-    timeout: seconds a collective waits for the other ranks (--collective-timeout); past it the
-    collective raises, and train.py ends the job with a line naming this rank (RankLost), where
-    a rank stopped with kill -STOP would otherwise hang the others forever."""
+    """Join torchrun's process group: nccl on GPUs (this rank's GPU = LOCAL_RANK), gloo on CPUs,
+    and gloo too where ranks share a GPU (nccl refuses two ranks on one device): the model on the
+    GPU, the collectives through the CPU. timeout: seconds a collective waits for the other ranks
+    (--collective-timeout); past it the collective raises, and train.py ends the job with a line
+    naming this rank (RankLost), where a rank stopped with kill -STOP would otherwise hang the
+    others forever."""
     global _device
+    backend = "gloo"
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout))
-    _device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+        gpus = torch.cuda.device_count()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
+        backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    _device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
 
 
 def close() -> None:
@@ -191,7 +196,7 @@ def replicate(module: torch.nn.Module) -> torch.nn.Module:
     one process."""
     if not active():
         return module
-    on_gpu = _device.startswith("cuda")
+    on_gpu = next(module.parameters()).is_cuda
     return DistributedDataParallel(module, device_ids=[torch.cuda.current_device()] if on_gpu else None)
 
 

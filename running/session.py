@@ -209,7 +209,7 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
     if distributed.launched():
         distributed.init(device, cfg.collective_timeout)   # torchrun: join the other ranks
         out = Path(distributed.gather(str(out))[0])  # rank 0's folder (messages name it)
-        log(f"torchrun: {distributed.size()} ranks ({'nccl' if device == 'cuda' else 'gloo'}), "
+        log(f"torchrun: {distributed.size()} ranks ({torch.distributed.get_backend()} on {device}), "
             f"{cfg.batch // distributed.size()} of the {cfg.batch} prompts of a step each")
     if cfg.overwrite and not cfg.resume and main:
         checkpoint.clear_run(out, checks.RUN_FILES)

@@ -8,7 +8,10 @@ the whole batch (`one_process`) and compares. The K rows of a group share their 
 ranks encode it once per group (shared_prefix.py), the one-process reference once per row, so
 the comparison also shows the shared forward under DDP equal to the plain one.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT [cuda]
+
+With cuda the ranks compute on the GPU (the model, the batch, the update; both on one GPU when
+there is one: the collectives then go through gloo, distributed.init) and save on the CPU.
 """
 import dataclasses
 import sys
@@ -32,6 +35,7 @@ from rollout import completion_mask  # noqa: E402
 
 B, K = 4, 4                                              # N = 16 rollouts, 8 per rank
 N = B * K
+DEVICE = "cpu"                                           # where the ranks compute (argv[2])
 # group 0 mixed, group 1 all equal (no signal), groups 2 and 3 of different spreads
 REWARDS = torch.tensor([1.0, 0.2, 0.0, 0.2, 0.2, 0.2, 0.2, 0.2, 1.0, 1.0, 0.0, 0.2, 0.0, 0.0, 0.0, 1.0])
 CLASSES = ["best" if r == 1.0 else "valid" if r == 0.2 else "junk" for r in REWARDS.tolist()]
@@ -66,6 +70,13 @@ def take(batch, rows: slice):
     return dataclasses.replace(batch, texts=batch.texts[rows], **cut)
 
 
+def on_cpu(tree):
+    """Every tensor in nested dicts moved to the CPU (what a rank computed on the GPU, saved)."""
+    if isinstance(tree, dict):
+        return {k: on_cpu(v) for k, v in tree.items()}
+    return tree.cpu() if torch.is_tensor(tree) else tree
+
+
 def hyper(algo: str, agg: str, ranks: int) -> grpo.HyperParams:
     """Each rank's settings: its half of the mini-batch, two micro-batches of it (the gradient
     sync held back once)."""
@@ -77,16 +88,17 @@ def hyper(algo: str, agg: str, ranks: int) -> grpo.HyperParams:
 def gradient(batch, hp: grpo.HyperParams) -> tuple[torch.Tensor, dict]:
     """One update from the same starting weights (SGD at lr 0: the weights stay, the gradient
     stays in .grad); the gradient over every parameter, flat, and the update's statistics."""
-    model = tiny_model()
+    model = tiny_model().to(DEVICE)
     head = ppo.ValueHead(model.config.hidden_size) if hp.algo == "ppo" else None
     if head is not None:
         torch.nn.init.normal_(head.linear.weight, std=0.1, generator=torch.Generator().manual_seed(5))
+        head.to(DEVICE)
     scorer = distributed.replicate(logprobs.Scorer(model, head))
     opt = torch.optim.SGD(scorer.parameters(), lr=0.0)
     if hp.algo == "ppo":
         ppo.prepare(batch, hp)
     stats = update.update(scorer, opt, batch, hp, ppo.loss if hp.algo == "ppo" else grpo.loss)
-    return torch.cat([p.grad.flatten() for p in scorer.parameters()]), stats
+    return torch.cat([p.grad.flatten() for p in scorer.parameters()]).cpu(), stats
 
 
 def compute(batch, classes: list, ranks: int) -> dict:
@@ -117,9 +129,13 @@ def one_process() -> dict:
 
 
 if __name__ == "__main__":
-    distributed.init("cpu")
+    DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    distributed.init(DEVICE)
     r, w = distributed.rank(), distributed.size()
     share = slice(r * N // w, (r + 1) * N // w)            # whole groups: K divides N / w
-    mine = dataclasses.replace(take(whole_batch(), share), share_prefix=True)
-    torch.save(compute(mine, CLASSES[share], w), Path(sys.argv[1]) / f"rank{r}.pt")
+    mine = take(whole_batch(), share)
+    mine = dataclasses.replace(mine, share_prefix=True, **{f.name: getattr(mine, f.name).to(DEVICE)
+                                                           for f in dataclasses.fields(mine)
+                                                           if torch.is_tensor(getattr(mine, f.name))})
+    torch.save(on_cpu(compute(mine, CLASSES[share], w)), Path(sys.argv[1]) / f"rank{r}.pt")
     distributed.close()

@@ -23,12 +23,12 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 BATCH_STATISTICS = ("global", "batch", "reinforce++-baseline")      # the estimators that need the sums
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """What each of the two ranks computed on its half (tests/distributed_worker.py), and the
-    one-process values on the whole batch."""
+@pytest.fixture(scope="module", params=["cpu"] + ["cuda"] * torch.cuda.is_available())
+def ranks(tmp_path_factory, request):
+    """What each of the two ranks computed on its half (tests/distributed_worker.py), on the CPU
+    and, where a GPU is visible, on it, and the one-process values on the whole batch (CPU)."""
     out = tmp_path_factory.mktemp("ranks")
-    done = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "distributed_worker.py"), str(out)],
+    done = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "distributed_worker.py"), str(out), request.param],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], one_process()

@@ -6,6 +6,7 @@
     python -m tools.bench logprobs                            # peak extra memory of logprobs.token_logprobs
     python -m tools.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
     python -m tools.bench bf16                                # is bf16 faster than float32 on this machine?
+    python -m tools.bench generate --config qwen0.5b --bf16  # plain generate against a static KV cache (compiled on a GPU)
     python -m tools.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
     python -m tools.decode_floor --model smollm2-135m           # generate against its floor (tools/decode_floor.py)
 
@@ -48,6 +49,8 @@ ROOT = Path(__file__).parent.parent          # the repository: workers run as `p
 CONFIGS = {   # model shape and the work per step
     "tiny": dict(vocab=3072, hidden=128, layers=2, heads=4, kv=2, inter=512, b=8, k=8, new=32, prompt=16),
     "25m": dict(vocab=8192, hidden=512, layers=6, heads=8, kv=4, inter=1792, b=8, k=8, new=32, prompt=16),
+    "135m": dict(vocab=49152, hidden=576, layers=30, heads=9, kv=3, inter=1536, b=16, k=8, new=128,
+                 prompt=64),                                        # SmolLM2-135M's shape, as a Qwen2
     "qwen0.5b": dict(vocab=151936, hidden=896, layers=24, heads=14, kv=2, inter=4864, b=32, k=8, new=256,
                      prompt=64),
 }
@@ -319,6 +322,42 @@ def warmstart_report(args) -> None:
           + ", ".join(f"{x:.4f}" for x in r["losses"]))
 
 
+def generate_report(args) -> None:
+    """rollout.sample with plain generate against a static KV cache (tasks.Sampling.static_cache,
+    which transformers compiles the decoding step for on a GPU): generated tokens/s over the calls
+    after the first, and the first call's seconds (where the compiling happens)."""
+    import rollout
+    import tasks
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, rows = CONFIGS[args.config], {}
+    for static in (False, True):
+        model, tok = build(cfg)
+        model.to(device)
+        sampling = tasks.Sampling(max_new_tokens=cfg["new"], static_cache=static)
+        seconds, tokens = [], []
+        for call in range(args.steps):
+            torch.manual_seed(call)
+            t0 = time.perf_counter()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=args.bf16):
+                batch = rollout.sample(rollout.Models(model, tok), prompts(cfg, cfg["b"], call), cfg["k"], sampling,
+                                       record_old_logp=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+            tokens.append(int(batch.completion_mask.sum()))
+        name = "static cache" if static else "plain"
+        rows[name] = dict(first_call_s=seconds[0], seconds=seconds, tokens=tokens,
+                          tokens_per_s=statistics.median(t / s for t, s in zip(tokens[1:], seconds[1:])))
+        print(f"  {name:12s}: first call {seconds[0]:.1f} s, then {rows[name]['tokens_per_s']:.0f} generated "
+              f"tokens/s (median of calls 2..{args.steps}; {cfg['b'] * cfg['k']} sequences of up to {cfg['new']} "
+              f"new tokens, {'bf16' if args.bf16 else 'fp32'}, {device})")
+    ratio = rows["static cache"]["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+    print(f"  static cache / plain tokens/s: {ratio:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(config=dict(name=args.config, **cfg, bf16=args.bf16, device=device),
+                                                   ratio=ratio, **rows), indent=1))
+
+
 def bf16_report(args) -> None:
     """float32 against bf16 on this machine: one 1024 x 1024 matmul, 10 times each."""
     a = torch.randn(1024, 1024)
@@ -360,7 +399,7 @@ def summarise(run: dict, warmup: int) -> dict:
 def main(argv=None):
     p = config.OneLineParser(prog="python -m tools.bench", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16", "warmstart"))
+    p.add_argument("what", nargs="?", default="step", choices=("step", "logprobs", "bf16", "warmstart", "generate"))
     p.add_argument("--model", default="", help="a real model (train.py --model) instead of --config")
     p.add_argument("--config", default="tiny", choices=tuple(CONFIGS))
     p.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
@@ -403,6 +442,10 @@ def main(argv=None):
         return logprobs_report(args)
     if args.what == "bf16":
         return bf16_report(args)
+    if args.what == "generate":
+        if args.steps < 2:
+            p.error(f"generate needs --steps >= 2 (the first call compiles), got {args.steps}")
+        return generate_report(args)
     if args.what == "warmstart":
         if not args.model:
             p.error("warmstart needs --model (the tiny model's warm start is small)")
