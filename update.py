@@ -69,7 +69,7 @@ def minibatches(batch, hp, gen: torch.Generator):
     size = hp.mini_batch or n                    # 0: the whole batch
     micro = hp.micro_batch or size               # 0: the whole mini-batch
     order = torch.randperm(n, generator=gen) if size < n else torch.arange(n)
-    lengths = batch.attention().sum(1) if hp.fast else None                      # (N,)
+    lengths = batch.attention().sum(1).cpu() if hp.fast else None                # (N,), beside order
     for start in range(0, n, size):
         mb = order[start:start + size]
         if lengths is not None:

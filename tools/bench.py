@@ -325,22 +325,23 @@ def warmstart_report(args) -> None:
 def generate_report(args) -> None:
     """rollout.sample with plain generate against a static KV cache (tasks.Sampling.static_cache,
     which transformers compiles the decoding step for on a GPU): generated tokens/s over the calls
-    after the first, and the first call's seconds (where the compiling happens)."""
+    after the first, and the first call's seconds (where the compiling happens). --bf16 casts the
+    weights to bf16 (a static cache is allocated in the weights' dtype: under autocast its
+    float32 cache refuses the bf16 keys)."""
     import rollout
     import tasks
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, rows = CONFIGS[args.config], {}
     for static in (False, True):
         model, tok = build(cfg)
-        model.to(device)
+        model.to(device, torch.bfloat16 if args.bf16 else torch.float32)
         sampling = tasks.Sampling(max_new_tokens=cfg["new"], static_cache=static)
         seconds, tokens = [], []
         for call in range(args.steps):
             torch.manual_seed(call)
             t0 = time.perf_counter()
-            with torch.autocast(device, dtype=torch.bfloat16, enabled=args.bf16):
-                batch = rollout.sample(rollout.Models(model, tok), prompts(cfg, cfg["b"], call), cfg["k"], sampling,
-                                       record_old_logp=False)
+            batch = rollout.sample(rollout.Models(model, tok), prompts(cfg, cfg["b"], call), cfg["k"], sampling,
+                                   record_old_logp=False)
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
