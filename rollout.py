@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import mismatch
 import shared_prefix
@@ -148,22 +148,37 @@ class NonFiniteLogits(RuntimeError):
     as a non-finite one (skipped, and stopped by --max-skips), never a crash."""
 
 
+class FiniteGuard(LogitsProcessor):
+    """Notes NaN or +inf logits and samples on from zeros in their place. torch.multinomial
+    raises on them on a CPU, but on a GPU it fails a device-side assert, which leaves the
+    process's CUDA context unusable: the check must come before it. The flag stays on the
+    device, so it costs no sync per token; finite logits pass unchanged."""
+
+    def __init__(self):
+        self.bad = None
+
+    def __call__(self, input_ids, scores):
+        bad = torch.isnan(scores).any() | torch.isposinf(scores).any()
+        self.bad = bad if self.bad is None else self.bad | bad
+        return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=float("-inf"))
+
+
 def generate(model, gen_config: GenerationConfig, share: bool = False, **inputs) -> torch.Tensor:
     """model.generate under gen_config alone. generate fills every option left unset from the
     model's own saved generation_config (Qwen2.5-Instruct's repetition_penalty 1.05, another
     model's min_p or no_repeat_ngram_size), so that config is swapped out for the call. share: a
-    prompt repeated over rows is encoded once first (shared_prefix.prefill); the same tokens come out."""
-    saved = model.generation_config
+    prompt repeated over rows is encoded once first (shared_prefix.prefill); the same tokens come
+    out. NaN/inf logits raise NonFiniteLogits once generate is done (FiniteGuard)."""
+    saved, guard = model.generation_config, FiniteGuard()
     model.generation_config = gen_config
     try:
         cache = shared_prefix.prefill(model, inputs["input_ids"], inputs["attention_mask"]) if share else None
         if cache is not None:
             inputs["past_key_values"] = cache
-        return model.generate(**inputs, generation_config=gen_config)
-    except RuntimeError as e:            # torch.multinomial on NaN/inf probabilities
-        if "probability tensor" in str(e):
-            raise NonFiniteLogits(f"non-finite logits while sampling ({str(e).splitlines()[0]})") from e
-        raise
+        out = model.generate(**inputs, generation_config=gen_config, logits_processor=LogitsProcessorList([guard]))
+        if guard.bad is not None and guard.bad.item():
+            raise NonFiniteLogits("non-finite logits while sampling (NaN or inf in the policy's logits)")
+        return out
     finally:
         model.generation_config = saved
 

@@ -45,7 +45,7 @@ def test_a_run_whose_completions_are_all_cut_says_so_once(tmp_path, capsys):
     step's completions/clipped_ratio is 1."""
     from running import config
     import train
-    argv = quick(tmp_path, "cut", "--max-new-tokens", "1")
+    argv = quick(tmp_path, "cut", "--max-new-tokens", "1", "--device", "cpu")
     argv.remove("--quiet")
     train.train(config.parse_config(argv))
     err = capsys.readouterr().err

@@ -164,7 +164,8 @@ def test_a_correction_acts_under_dynamic_sampling(tmp_path):
     losses = {}
     for name, extra in (("plain", ()), ("tis", ("--rollout-correction", "tis", "--rollout-c-max", "1.01"))):
         train.train(config.parse_config(quick(tmp_path, name, "--dynamic-sampling", "--rollout-stale", "1",
-                                              "--max-sampling-rounds", "4", "--steps", "6", "--lr", "0.01", *extra)))
+                                              "--max-sampling-rounds", "4", "--steps", "6", "--lr", "0.01", "--device", "cpu",
+                                              *extra)))
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()[1:]]
         assert all("sampling/raw_importance_ratio/mean" in r for r in rows), sorted(rows[0])
         losses[name] = [r["loss"] for r in rows]

@@ -125,7 +125,7 @@ def test_every_completion_cut_means_no_update_said_by_its_reason(tmp_path):
     on, and the step says so (update_skipped: all_truncated) instead of stepping AdamW on nothing."""
     from running import config
     import train
-    train.train(configure(quick(tmp_path, "cut", "--max-new-tokens", "2", "--mask-truncated",
+    train.train(configure(quick(tmp_path, "cut", "--max-new-tokens", "2", "--mask-truncated", "--device", "cpu",
                                           "--entropy-coef", "0.01")))
     rows = metrics(tmp_path / "cut")[1:]
     assert all(r["completions/clipped_ratio"] == 1.0 and r["update_skipped"] == "all_truncated"

@@ -193,11 +193,13 @@ BASE = ["--steps", "4", "--eval-every", "4", "--epochs", "2"]
 
 def test_the_null_run_logs_a_zero_mismatch_and_learns_as_before(tmp_path):
     """--log-mismatch alone: the sampler is the policy, the difference is float rounding, and
-    the run's rollouts and losses are the plain run's."""
+    the run's rollouts and losses are the plain run's. On a CPU in float32: on a GPU under bf16
+    autocast the same null run's largest difference was 0.0086 (results/gpu/README.md): bf16's
+    rounding, between sampling's cached forward and the update's whole one, is far larger."""
     from running import config
     import train
-    train.train(configure(quick(tmp_path, "plain", *BASE)))
-    train.train(configure(quick(tmp_path, "null", *BASE, "--log-mismatch")))
+    train.train(configure(quick(tmp_path, "plain", *BASE, "--device", "cpu")))
+    train.train(configure(quick(tmp_path, "null", *BASE, "--log-mismatch", "--device", "cpu")))
     plain, null = metrics(tmp_path / "plain"), metrics(tmp_path / "null")
     for a, b in zip(plain[1:], null[1:]):
         assert a["reward_mean"] == b["reward_mean"]

@@ -269,6 +269,35 @@ def test_a_blown_up_policy_is_a_non_finite_step_not_a_crash_and_is_not_saved(tmp
         assert logprobs.forward_is_finite(model)
 
 
+def test_nan_logits_raise_after_generate_and_finite_ones_sample_as_plain_generate(monkeypatch):
+    """On a GPU, NaN logits reached torch.multinomial, whose device-side assert left the CUDA
+    context unusable (the first GPU run: the blown-up policy above). rollout.FiniteGuard
+    catches them first, on every device: NonFiniteLogits after generate; with finite logits
+    the same tokens as generate with no guard, under the same seed."""
+    import rollout
+    from conftest import tiny_model
+    model = tiny_model().eval()
+    gen = rollout.plain_sampling(policy.build_tokenizer([f"w{i}" for i in range(17)]), 1.0, 6)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    torch.manual_seed(0)
+    guarded = rollout.generate(model, gen, **inputs)
+    torch.manual_seed(0)
+    plain = model.generate(**inputs, generation_config=gen)
+    assert torch.equal(guarded, plain)
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    seen, multinomial = [], torch.multinomial           # what a GPU's device-side assert checks
+
+    def spy(probs, *a, **kw):
+        seen.append(bool(torch.isfinite(probs).all()))
+        return multinomial(probs, *a, **kw)
+    monkeypatch.setattr(torch, "multinomial", spy)
+    with pytest.raises(rollout.NonFiniteLogits):
+        rollout.generate(model, gen, **inputs)
+    assert seen and all(seen), "NaN probabilities reached torch.multinomial"
+
+
 def test_a_full_disk_at_a_checkpoint_is_said_and_survived(tmp_path, monkeypatch, capsys):
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")

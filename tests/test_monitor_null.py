@@ -40,7 +40,7 @@ def test_summary_crash_floor_is_the_mean_null_chance_over_updates_recomputed_fro
     before t, or at t's own rate for the run's first step."""
     argv = ["--k", "2", "--batch", "3", "--norm", "group", "--steps", "14", "--eval-every", "14", "--lr", "7e-3",
             "--eval-samples", "1", "--sft-steps", "100", "--hidden", "16", "--layers", "1", "--quiet",
-            "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / "run")]
+            "--cache-dir", str(WARM_STARTS), "--out", str(tmp_path / "run"), "--device", "cpu"]
     summary = train.train(config.parse_config(argv))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")][1:]
     counts = [round(6 * r["valid_rate"]) for r in rows]

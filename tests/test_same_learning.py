@@ -43,7 +43,7 @@ RUNS = {
 # --no-shared-prefix: the files were recorded before shared_prefix.py, whose forward sums in
 # another order (~1e-6 relative per log-prob, then Adam's amplification); tests/test_shared_prefix.py
 # shows that path gives these runs' numbers to 1e-4 over 20 steps.
-COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet --no-shared-prefix"
+COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet --no-shared-prefix --device cpu"  # recorded on a CPU
 # The one change the redesign made on purpose: PPO's update now shares GRPO's policy terms,
 # so with a reference it reports ref_kl, as ppo.update's docstring had claimed all along.
 ADDED = {"ppo_kl_in_loss": {"ref_kl"}}

@@ -208,7 +208,7 @@ def test_twenty_grpo_steps_shared_give_the_plain_runs_metrics(tmp_path):
     it, every number to 1e-4 relative (the same tokens sampled, the same updates)."""
     from running import config
     import train
-    flags = ["--steps", "20", "--eval-every", "10"]
+    flags = ["--steps", "20", "--eval-every", "10", "--device", "cpu"]          # float32 (on a GPU: bf16)
     train.train(config.parse_config(quick(tmp_path, "shared", *flags)))
     train.train(config.parse_config(quick(tmp_path, "plain", *flags, "--no-shared-prefix")))
     shared, plain = metrics(tmp_path / "shared"), metrics(tmp_path / "plain")

@@ -190,7 +190,7 @@ def test_the_tiny_model_runs_on_one_thread_unless_told(flags, threads, tmp_path)
     import train
     before = torch.get_num_threads()
     try:
-        train.train(config.parse_config(quick(tmp_path, "t", "--steps", "1", *flags)))
+        train.train(config.parse_config(quick(tmp_path, "t", "--steps", "1", "--device", "cpu", *flags)))
         ran_on = json.loads((tmp_path / "t" / "config.json").read_text())["ran_on"]
         assert ran_on.startswith(f"cpu ({threads} thread"), ran_on
     finally:

@@ -52,7 +52,7 @@ CONFIGS = {   # model shape and the work per step
     "135m": dict(vocab=49152, hidden=576, layers=30, heads=9, kv=3, inter=1536, b=16, k=8, new=128,
                  prompt=64),                                        # SmolLM2-135M's shape, as a Qwen2
     "qwen0.5b": dict(vocab=151936, hidden=896, layers=24, heads=14, kv=2, inter=4864, b=32, k=8, new=256,
-                     prompt=64),
+                     prompt=64, micro=32),      # the 256 sequences at once ran out of an H200's memory
 }
 BETA, LR = 0.04, 1e-6
 # --model: a real model's work per step, sized for a CPU: B=4 DSL prompts (through the chat
@@ -149,7 +149,7 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
     task = real_task(task_name) if model_name else None
     sampling = tasks.Sampling(max_new_tokens=cfg["new"] if task_name == "dsl" else cfg["tool_turn"],
                               shared_prefix=shared)
-    hp = grpo.HyperParams(mini_batch=n, micro_batch=n, norm="group", k=cfg["k"], beta=BETA,
+    hp = grpo.HyperParams(mini_batch=n, micro_batch=cfg.get("micro", n), norm="group", k=cfg["k"], beta=BETA,
                           max_len=cfg["new"], max_grad_norm=1.0, fast=fast)
     for step in range(steps):
         spent.clear()
@@ -221,7 +221,8 @@ def run_trl(cfg: dict, steps: int, bf16: bool, device: str, model_name: str = ""
         # TRL builds its reference model from the policy's folder: save the same weights there.
         model.save_pretrained(f"{out}/model")
         tok.save_pretrained(f"{out}/model")
-        args = GRPOConfig(output_dir=out, model_init_kwargs={"dtype": "float32"}, per_device_train_batch_size=n, num_generations=cfg["k"],
+        args = GRPOConfig(output_dir=out, model_init_kwargs={"dtype": "float32"}, per_device_train_batch_size=cfg.get("micro", n),
+                          gradient_accumulation_steps=n // cfg.get("micro", n), num_generations=cfg["k"],
                           max_completion_length=cfg["new"], beta=BETA, num_iterations=1,
                           max_steps=steps, learning_rate=LR, temperature=1.0, top_k=0, top_p=1.0,
                           bf16=bf16, gradient_checkpointing=False, use_cpu=device == "cpu",
