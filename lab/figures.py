@@ -156,6 +156,30 @@ def plot_monitor(path: Path, rows: list, title: str) -> Path:
     return path
 
 
+def plot_probe(results: dict, lrs, conditions, path: Path) -> Path:
+    """probe_001: the mean change of P(off-format) after one update against lr, a line per
+    condition, a panel per warm start and optimizer state (lab/probe001.py)."""
+    import statistics
+    panels = [(start, state) for start in results for state in ("fresh", "warmed")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.2), sharey=True, squeeze=False)
+    for ax, (start, state) in zip(axes[0], panels):
+        for i, c in enumerate(conditions):
+            ax.plot(lrs, [statistics.fmean(results[start][(state, lr, c)]["p_off"]) for lr in lrs], "o-",
+                    color=f"C{i}", label=c, ms=3)
+        ax.set(xscale="log", xlabel="lr", title=f"{start}\n{state} AdamW")
+        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.title.set_fontsize(8)
+    axes[0][0].set_ylabel("mean change of P(off-format)\nafter one update (held-out)")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle("report 001's mechanism, exactly: tiny Qwen2 warm start, one update, CPU", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     """Lesson 1's figure and its table: the share of |A| = 1 (and of zero-variance groups),
     exact where the counts decide it (exact_shares), else over the figure's 500 simulated

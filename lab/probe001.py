@@ -1,0 +1,266 @@
+"""Report 001's mechanism put to an exact test: one update, no sampling (python -m lab probe_001).
+
+The report's reading (docs/reports.md): K=2 group norm gives exactly +1 and -1, so a valid but
+not best workflow is pushed down as hard as junk would be, and the fallback text (`### Step 1
+...`), never beside a different reward in its group, is never pushed against: after 37 of 38
+updates the outputs jumped to it, and a 10x smaller lr did not help. Its prediction is that one
+K=2 update raises the chance of an off-format answer, and that a 10x smaller lr does not shrink
+the rise. To first order, a change is proportional to lr.
+
+The probe starts from one warm start's weights and one optimizer state. It applies one GRPO
+update built from a fixed batch, and measures before and after on the 32 held-out prompts,
+exactly, with no sampling:
+
+    P(off)     the probability that a completion opens off-format: p(first token = the fallback's)
+    log p(y)   of the fallback text, the prompt's best workflow and a valid non-best one
+
+Conditions, all on the same three training prompts of a batch:
+
+    null       the report's step-4 completions, every advantage 0: the step the optimizer takes anyway
+    k2_group   groups [best, best], [best, valid], [valid, valid] at K=2, group norm: 0, +-1, 0
+    k2_drgrpo  the same completions, Dr. GRPO: 0, +-0.4, 0
+    k8_group   each prompt 8 completions, 3 best and 5 valid, group norm: +1.29 / -0.77
+
+For k8_group, the share of best among valid outputs is the warm start's (35%). At the report's
+50% it would give +-1 again, and under token-mean the very same update as k2_group.
+
+Two optimizer states:
+- A fresh AdamW. Its first step is about lr * sign(g), so it erases the difference between +-1
+  and +-0.4.
+- AdamW after 5 real steps of the report's setting (K=2, B=3, group norm, lr 1e-3).
+
+Two warm starts:
+- The course's, with the fallback drawn per sample (42.8%).
+- One whose fallback is tied to the prompt: 42.8% of the training prompts are always answered
+  with it. The report's 38 updates in 96 steps imply this.
+
+Every condition sees the same BATCHES batches (paired). Their prompts are training prompts that
+the warm start answers with workflows (for the prompt-tied start, those not tied to the
+fallback). The update is the trainer's otherwise: token-mean, the gradient clipped at norm 1,
+no KL (at a first update from the reference, its gradient is 0). The test is the lab's sign
+flip (lab/stats.py).
+"""
+import copy
+import random
+import statistics
+import types
+
+import torch
+
+import advantages
+import grpo
+import logprobs
+import rollout
+import update
+from lab import stats
+from models import policy
+from tasks import Sampling, workflow_task as task
+
+BATCHES, QUICK_BATCHES = 30, 2
+LRS, QUICK_LRS = (2e-6, 2e-5, 2e-4, 2e-3), (2e-4, 2e-3)
+WARMING_STEPS, WARMING_LR = 5, 1e-3
+CONDITIONS = ("null", "k2_group", "k2_drgrpo", "k8_group")
+MEASURES = ("p_off", "lp_fallback", "lp_best", "lp_valid")
+
+
+def tied_task():
+    """workflow_task whose warm start answers 42.8% of the training prompts always with the
+    fallback (the prompts chosen by a seeded draw) and the others from the valid mix."""
+    train = [p["text"] for p in task.make_prompts("train")]
+    fallback = set(random.Random(1).sample(train, round((1 - task.VALID_SHARE) * len(train))))
+
+    def batch(rng, n, difficulty=1):
+        chosen = rng.choices(task.make_prompts("train"), k=n)
+        return [[(p["text"], False), (rng.choice(task.FALLBACK_TEXTS) if p["text"] in fallback else
+                                      valid_completion(p["type"], rng))] for p in chosen]
+    return types.SimpleNamespace(**{k: getattr(task, k) for k in dir(task) if not k.startswith("__")},
+                                 warmstart_batch=batch, answered_validly=lambda p: p["text"] not in fallback,
+                                 fingerprint=lambda difficulty=1: {**task.fingerprint(), "fallback": "tied"})
+
+
+def valid_completion(ptype: str, rng: random.Random) -> str:
+    """A valid workflow, best with the warm start's share, else another by the report's counts."""
+    if rng.random() < task.BEST_SHARE_OF_VALID:
+        return task.BEST_WORKFLOW[ptype]
+    return other_valid(ptype, rng)
+
+
+def other_valid(ptype: str, rng: random.Random) -> str:
+    others = {p: c for p, c in task.REPORT_TOP_PATTERNS.items() if p != task.BEST_WORKFLOW[ptype]}
+    return rng.choices(list(others), weights=list(others.values()))[0]
+
+
+# ---- the measurement: exact, on the held-out prompts ----
+
+@torch.no_grad()
+def measure(model, tok) -> dict:
+    """The mean over held-out prompts of P(off) and of log p(fallback / best / a valid non-best
+    workflow), each completion teacher-forced with its EOS."""
+    model.eval()
+    prompts = task.make_prompts("eval")
+    texts = [policy.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts]
+    ids, mask = logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts], tok.pad_token_id,
+                                  model.device)
+    first = tok(task.FALLBACK_TEXTS[0], add_special_tokens=False)["input_ids"][0]
+    p_off = torch.softmax(model(input_ids=ids, attention_mask=mask).logits[:, -1].float(), -1)[:, first]
+    out = {"p_off": p_off.mean().item()}
+    valid = [max((q for q in task.REPORT_TOP_PATTERNS if q != p["best"]), key=task.REPORT_TOP_PATTERNS.get)
+             for p in prompts]                           # the commonest valid workflow that is not best
+    for name, completions in (("fallback", [task.FALLBACK_TEXTS[0]] * len(prompts)),
+                              ("best", [p["best"] for p in prompts]), ("valid", valid)):
+        rows = policy.sft_rows(task, tok, [[(p["text"], False), (c, True)] for p, c in zip(prompts, completions)])
+        out[f"lp_{name}"] = completion_logprob(model, *rows).mean().item()
+    return out
+
+
+def completion_logprob(model, ids, mask, labels) -> torch.Tensor:
+    """(n,) the summed log-prob of each row's labelled tokens (policy.sft_rows)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)        # (n, L-1)
+    return (lp * (labels[:, 1:] != -100)).sum(1)
+
+
+# ---- one update from a fixed batch ----
+
+def probe_batch(model, tok, condition: str, rng: random.Random, pool: list) -> tuple:
+    """(Rollout with its advantages, k) for three prompts of pool drawn by rng."""
+    prompts = rng.sample(pool, 3)
+    if condition == "k8_group":
+        groups = [[p["best"]] * 3 + [other_valid(p["type"], rng) for _ in range(5)] for p in prompts]
+    else:                               # the report's step 4: [best, best], [best, valid], [valid, valid]
+        groups = [[prompts[0]["best"]] * 2, [prompts[1]["best"], other_valid(prompts[1]["type"], rng)],
+                  [other_valid(prompts[2]["type"], rng) for _ in range(2)]]
+    k = len(groups[0])
+    texts = [policy.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts for _ in range(k)]
+    done = [c for g in groups for c in g]
+    p_ids, p_mask = logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
+                                      tok.pad_token_id, model.device)
+    c_ids = logprobs.pad([tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in done],
+                         tok.pad_token_id, device=model.device)
+    batch = rollout.Rollout(p_ids, p_mask, c_ids, rollout.completion_mask(c_ids, tok.eos_token_id), None, None, done)
+    with torch.no_grad():
+        batch.old_logp = logprobs.completion_logprobs(model, batch.tokens())[0]
+    r = torch.tensor([1.0 if c == p["best"] else 0.2 for p, g in zip(prompts, groups) for c in g])
+    norm = "drgrpo" if condition == "k2_drgrpo" else "group"
+    batch.advantages = torch.zeros_like(r) if condition == "null" else advantages.compute(r, k, norm)
+    return batch, k
+
+
+def updated(model, opt_state, batch, k: int, lr: float):
+    """A copy of model after one GRPO update on batch at lr, from opt_state (None: fresh AdamW)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+        opt.param_groups[0]["lr"] = lr
+    n = len(batch.texts)
+    update.update(logprobs.Scorer(model), opt, batch, grpo.HyperParams(k=k, mini_batch=n, micro_batch=n), grpo.loss)
+    return model
+
+
+def warmed(model, tok) -> tuple:
+    """(weights, AdamW state) after WARMING_STEPS real steps of the report's setting."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMING_LR, weight_decay=0.0)
+    hp = grpo.HyperParams(k=2, norm="group", mini_batch=6, micro_batch=6)
+    torch.manual_seed(0)
+    for step in range(WARMING_STEPS):
+        prompts = random.Random(step).sample(task.make_prompts("train"), 3)
+        batch, _ = task.sample(rollout.Models(model, tok), prompts, 2, Sampling())
+        grpo.prepare(batch, hp)
+        update.update(logprobs.Scorer(model), opt, batch, hp, grpo.loss)
+    return model, copy.deepcopy(opt.state_dict())
+
+
+def probe(model, tok, batches: int, lrs, pool: list) -> dict:
+    """{(optimizer state, lr, condition): {measure: [after - before, one per batch]}, and
+    (optimizer state, "before"): the measures before any probe update}."""
+    out = {}
+    for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok))):
+        out[(state, "before")] = before = measure(start, tok)
+        for lr in lrs:
+            for condition in CONDITIONS:
+                rng, deltas = random.Random(0), {m: [] for m in MEASURES}
+                for _ in range(batches):        # the same batches in every condition (rng from 0)
+                    batch, k = probe_batch(start, tok, condition, rng, pool)
+                    after = measure(updated(start, opt_state, batch, k, lr), tok)
+                    for m in MEASURES:
+                        deltas[m].append(after[m] - before[m])
+                out[(state, lr, condition)] = deltas
+    return out
+
+
+def rises(deltas: dict, state: str, lr: float) -> tuple[float, float]:
+    """(mean d, one-sided p) of d = dP(off) under k2_group minus under null, paired by batch."""
+    d = [a - b for a, b in zip(deltas[(state, lr, "k2_group")]["p_off"], deltas[(state, lr, "null")]["p_off"])]
+    return statistics.fmean(d), stats.sign_flip(d)
+
+
+def jumps(tests: dict, start: str, lr: float, lrs) -> bool:
+    """k2_group raises P(off) at lr and at lr / 10 (both on the warmed optimizer), by more than
+    a third as much there. tests: {(warm start, optimizer state, lr): rises(...)}."""
+    small = min(lrs, key=lambda x: abs(x - lr / 10))
+    if abs(small - lr / 10) > lr / 100:
+        return False
+    (d, p), (d_small, p_small) = tests[(start, "warmed", lr)], tests[(start, "warmed", small)]
+    return p < stats.ALPHA and d > 0 and p_small < stats.ALPHA and d_small > d / 3
+
+
+def probe_001(lab) -> dict:
+    """Report 001's mechanism, exactly: one update from fixed batches (the module's docstring)."""
+    # rule: for each warm start, optimizer state and lr, d = dP(off) after the k2_group update
+    # minus dP(off) after the null one, paired over the batches. The k2_group update raises P(off)
+    # there if the one-sided sign-flip p < 0.05 and mean d > 0. It jumps if it also raises at
+    # lr / 10, by more than a third of its rise at lr (first order gives a tenth). Verdict, read
+    # on the warmed optimizer (the report's runs had stepped before): reproduced if it jumps at
+    # some lr in either warm start; partly if it raises P(off) at some lr but jumps nowhere (the
+    # push toward the fallback is there, a rise that a 10x smaller lr does not shrink is not);
+    # not reproduced if it raises P(off) at no lr.
+    from lab import figures
+    batches, lrs = (QUICK_BATCHES, QUICK_LRS) if lab.quick else (BATCHES, LRS)
+    starts = {"per-sample fallback": task} if lab.quick else {"per-sample fallback": task,
+                                                               "prompt-tied fallback": tied_task()}
+    results, rows, tests = {}, [], {}
+    for name, t in starts.items():
+        model, tok = policy.tiny_policy(t, 64, 2, policy.WARM_START["tiny"], policy.CACHE,
+                                        log=lambda s: print(f"  probe_001: {s}", flush=True))
+        print(f"  probe_001: {name}: {len(CONDITIONS)} conditions x {len(lrs)} lrs x 2 optimizer states x "
+              f"{batches} batches", flush=True)
+        # the batches' prompts: those the warm start answers with workflows (the report's step 4 has no fallback)
+        pool = [p for p in task.make_prompts("train") if getattr(t, "answered_validly", lambda p: True)(p)]
+        results[name] = deltas = probe(model, tok, batches, lrs, pool)
+        tests.update({(name, state, lr): rises(deltas, state, lr) for state in ("fresh", "warmed") for lr in lrs})
+        for state in ("fresh", "warmed"):
+            rows.append(f"| {name} | {state} | before | | P(off) {deltas[(state, 'before')]['p_off']:.4f} | " +
+                        " | ".join(f"{deltas[(state, 'before')][m]:.3f}" for m in MEASURES[1:]) + " | |")
+        for key, d in deltas.items():
+            if key[1] == "before":
+                continue
+            (state, lr, condition), (lo, hi) = key, stats.bootstrap(d["p_off"], [0.0])
+            vs_null = tests[(name, state, lr)] if condition == "k2_group" else None
+            rows.append(f"| {name} | {state} | {lr:g} | {condition} | {statistics.fmean(d['p_off']):+.5f} "
+                        f"[{lo:+.5f}, {hi:+.5f}] | " + " | ".join(f"{statistics.fmean(d[m]):+.4f}" for m in MEASURES[1:])
+                        + (f" | {vs_null[0]:+.5f} (p {vs_null[1]:.3g})" if vs_null else " | ") + " |")
+    out = lab.dir("probe_001")
+    (out / "table.md").write_text(
+        f"# probe_001: one update, {batches} paired batches, exact measures on the {len(task.make_prompts('eval'))} "
+        "held-out prompts (lab/probe001.py)\n\nDeltas are after - before the update; P(off) is the chance that a "
+        "completion opens with the fallback's first token; [95% bootstrap interval].\n\n"
+        "| warm start | optimizer | lr | condition | dP(off) | dlog p fallback | dlog p best | dlog p valid | "
+        "k2_group - null (p) |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    figures.plot_probe(results, lrs, CONDITIONS, out / "probe.png")
+    raised = {n: [lr for lr in lrs if tests[(n, "warmed", lr)][1] < stats.ALPHA and tests[(n, "warmed", lr)][0] > 0]
+              for n in results}
+    jumped = {n: [lr for lr in lrs if jumps(tests, n, lr, lrs)] for n in results}
+    said = "; ".join(
+        f"{n}, warmed AdamW (P(off) before {r[('warmed', 'before')]['p_off']:.3f}): k2_group - null dP(off) "
+        + ", ".join(f"{tests[(n, 'warmed', lr)][0]:+.4f} at lr {lr:g} (p {tests[(n, 'warmed', lr)][1]:.2g})"
+                    for lr in lrs)
+        + f"; fresh AdamW at lr {lrs[-1]:g}: {tests[(n, 'fresh', lrs[-1])][0]:+.4f}" for n, r in results.items())
+    verdict = ("reproduced" if any(jumped.values()) else
+               "partly: one K=2 update raises P(off-format) on held-out prompts, but a 10x smaller lr shrinks "
+               "the rise as first order says" if any(raised.values()) else "not reproduced")
+    return dict(report="001", figure="probe_001/probe.png",
+                claim="one K=2 group-norm update on a batch of best and valid workflows pushes the policy onto "
+                      "off-format text, and a 10x smaller lr does not prevent it",
+                measured=f"{batches} paired batches, exact: {said}", verdict=verdict)
