@@ -72,10 +72,11 @@ def tied_task():
     def batch(rng, n, difficulty=1):
         chosen = rng.choices(task.make_prompts("train"), k=n)
         return [[(p["text"], False), (rng.choice(task.FALLBACK_TEXTS) if p["text"] in fallback else
-                                      valid_completion(p["type"], rng))] for p in chosen]
-    return types.SimpleNamespace(**{k: getattr(task, k) for k in dir(task) if not k.startswith("__")},
-                                 warmstart_batch=batch, answered_validly=lambda p: p["text"] not in fallback,
-                                 fingerprint=lambda difficulty=1: {**task.fingerprint(), "fallback": "tied"})
+                                      valid_completion(p["type"], rng), True)] for p in chosen]
+    own = {k: getattr(task, k) for k in dir(task) if not k.startswith("__")}
+    own.update(warmstart_batch=batch, answered_validly=lambda p: p["text"] not in fallback,
+               fingerprint=lambda difficulty=1: {**task.fingerprint(), "fallback": "tied"})
+    return types.SimpleNamespace(**own)
 
 
 def valid_completion(ptype: str, rng: random.Random) -> str:

@@ -224,3 +224,35 @@ def test_a_rule_is_registered_with_its_first_runs_and_a_change_after_runs_keeps_
     assert lab.registered(entry("rule: A", "reproduced", "2026-01-01", quick=True), {})["rule"].get("registered") is None
     assert "# rule" not in lab.rule_of(lab.EXPERIMENTS["kl_range"])["text"]          # comments read, marks off
     assert lab.rule_of(lab.EXPERIMENTS["kl_range"])["text"].startswith("rule: beta reaches the floor")
+
+
+def test_probe_001_builds_the_reports_batch_and_measures_p_off_exactly():
+    """probe_001's pieces against hand arithmetic and a plain loop: the report's step-4 batch
+    gives 0, +-1, 0 (group) and 0, +-0.4, 0 (Dr. GRPO); K=8 with 3 best of 8 gives
+    (1 - 0.5) / sqrt(0.15) and (0.2 - 0.5) / sqrt(0.15); P(off) is the mean over held-out prompts,
+    each forwarded alone, of the fallback's first token's probability; and the prompt-tied warm
+    start answers each tied prompt with fallback text only."""
+    import random
+    from lab import probe001
+    from models import policy
+    from tasks import workflow_task as task
+    tok = policy.build_tokenizer(task.vocabulary())
+    torch.manual_seed(0)
+    from transformers import Qwen2ForCausalLM
+    model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, task.MAX_POSITIONS)).eval()
+    pool = task.make_prompts("train")
+    adv = {c: probe001.probe_batch(model, tok, c, random.Random(3), pool)[0].advantages.tolist()
+           for c in probe001.CONDITIONS}
+    assert adv["null"] == [0.0] * 6
+    assert adv["k2_group"] == pytest.approx([0, 0, 1, -1, 0, 0], abs=1e-6)
+    assert adv["k2_drgrpo"] == pytest.approx([0, 0, 0.4, -0.4, 0, 0], abs=1e-6)
+    assert adv["k8_group"] == pytest.approx(([0.5 / 0.15 ** 0.5] * 3 + [-0.3 / 0.15 ** 0.5] * 5) * 3, abs=1e-4)
+    first = tok(task.FALLBACK_TEXTS[0], add_special_tokens=False)["input_ids"][0]
+    with torch.no_grad():
+        alone = [torch.softmax(model(torch.tensor([tok(p["text"], add_special_tokens=False)["input_ids"]]))
+                               .logits[0, -1], -1)[first].item() for p in task.make_prompts("eval")]
+    assert probe001.measure(model, tok)["p_off"] == pytest.approx(statistics.fmean(alone), rel=1e-4)
+    tied = probe001.tied_task()
+    for (prompt, _), (completion, _) in tied.warmstart_batch(random.Random(0), 200):
+        is_fallback = completion in task.FALLBACK_TEXTS
+        assert is_fallback != tied.answered_validly({"text": prompt})

@@ -23,6 +23,22 @@ def test_false_collapse_rate_equals_a_monte_carlo_frozen_policy(p, n):
 
 
 @pytest.mark.lesson
+def test_report_001s_97_percent_is_what_a_policy_that_never_changes_gives():
+    """Report 001 called a step a collapse when fallback text came after an update: 37 of its 38
+    updates (97.4%). A policy that never changes, at the report's own 57.2% valid and 6 samples
+    a step, puts fallback in the next step with probability 1 - 0.572^6 = 96.5%, and 37 or more of
+    38 such steps happen with probability 0.61 (a frozen policy, simulated, says the same): the
+    statistic cannot tell a collapse from no change at all."""
+    p_next = 1 - 0.572 ** 6
+    tail = 1 - monitor.binomial_cdf(36, 38, p_next)                 # P(>= 37 of 38)
+    assert p_next == pytest.approx(0.9650, abs=1e-4) and tail == pytest.approx(0.61, abs=0.005)
+    rng, trials, hits = random.Random(0), 20_000, 0
+    for _ in range(trials):            # 38 next steps of a frozen policy: 6 samples, each valid at 0.572
+        hits += sum(any(rng.random() >= 0.572 for _ in range(6)) for _ in range(38)) >= 37
+    assert hits / trials == pytest.approx(tail, abs=0.01)
+
+
+@pytest.mark.lesson
 def test_the_floor_at_report_001s_warm_start():
     assert monitor.false_collapse_rate(0.57, 6) == pytest.approx(0.1442, abs=1e-4)   # K=2, B=3
     assert monitor.false_collapse_rate(0.57, 16) == pytest.approx(0.0265, abs=1e-4)
