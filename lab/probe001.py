@@ -41,6 +41,7 @@ no KL (at a first update from the reference, its gradient is 0). The test is the
 flip (lab/stats.py).
 """
 import copy
+import json
 import random
 import statistics
 import types
@@ -250,14 +251,16 @@ def probe_001(lab) -> dict:
         "| warm start | optimizer | lr | condition | dP(off) | dlog p fallback | dlog p best | dlog p valid | "
         "k2_group - null (p) |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     figures.plot_probe(results, lrs, CONDITIONS, out / "probe.png")
+    (out / "deltas.json").write_text(json.dumps(           # every number above, recomputable from these
+        {n: {"|".join(map(str, k)): v for k, v in r.items()} for n, r in results.items()}, indent=0))
     raised = {n: [lr for lr in lrs if tests[(n, "warmed", lr)][1] < stats.ALPHA and tests[(n, "warmed", lr)][0] > 0]
               for n in results}
     jumped = {n: [lr for lr in lrs if jumps(tests, n, lr, lrs)] for n in results}
     said = "; ".join(
         f"{n}, warmed AdamW (P(off) before {r[('warmed', 'before')]['p_off']:.3f}): k2_group - null dP(off) "
-        + ", ".join(f"{tests[(n, 'warmed', lr)][0]:+.4f} at lr {lr:g} (p {tests[(n, 'warmed', lr)][1]:.2g})"
+        + ", ".join(f"{tests[(n, 'warmed', lr)][0]:+.1e} at lr {lr:g} (p {tests[(n, 'warmed', lr)][1]:.2g})"
                     for lr in lrs)
-        + f"; fresh AdamW at lr {lrs[-1]:g}: {tests[(n, 'fresh', lrs[-1])][0]:+.4f}" for n, r in results.items())
+        + f"; fresh AdamW at lr {lrs[-1]:g}: {tests[(n, 'fresh', lrs[-1])][0]:+.1e}" for n, r in results.items())
     verdict = ("reproduced" if any(jumped.values()) else
                "partly: one K=2 update raises P(off-format) on held-out prompts, but a 10x smaller lr shrinks "
                "the rise as first order says" if any(raised.values()) else "not reproduced")
