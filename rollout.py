@@ -21,6 +21,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import mismatch
 import shared_prefix
+import tool_env
 from logprobs import Tokens, completion_logprobs, left_pad, pad
 
 
@@ -149,17 +150,15 @@ class NonFiniteLogits(RuntimeError):
 
 
 class FiniteGuard(LogitsProcessor):
-    """Notes NaN or +inf logits and samples on from zeros in their place. torch.multinomial
-    raises on them on a CPU, but on a GPU it fails a device-side assert, which leaves the
-    process's CUDA context unusable: the check must come before it. The flag stays on the
-    device, so it costs no sync per token; finite logits pass unchanged."""
+    """NaN/+inf logits noted (on the device: no sync per token) and sampled from as 0: on a GPU,
+    torch.multinomial fails a device-side assert on them, which leaves the CUDA context unusable
+    (on a CPU it raises). Finite logits pass unchanged."""
 
     def __init__(self):
-        self.bad = None
+        self.flags = []
 
     def __call__(self, input_ids, scores):
-        bad = torch.isnan(scores).any() | torch.isposinf(scores).any()
-        self.bad = bad if self.bad is None else self.bad | bad
+        self.flags.append(torch.isnan(scores).any() | torch.isposinf(scores).any())
         return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=float("-inf"))
 
 
@@ -176,7 +175,7 @@ def generate(model, gen_config: GenerationConfig, share: bool = False, **inputs)
         if cache is not None:
             inputs["past_key_values"] = cache
         out = model.generate(**inputs, generation_config=gen_config, logits_processor=LogitsProcessorList([guard]))
-        if guard.bad is not None and guard.bad.item():
+        if guard.flags and torch.stack(guard.flags).any():
             raise NonFiniteLogits("non-finite logits while sampling (NaN or inf in the policy's logits)")
         return out
     finally:
@@ -188,9 +187,7 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     """Generate k completions for each prompt and record them with their log-probs (and,
     given a value head, the values, from the same forward pass). record_old_logp=False skips
     the policy's forward when nothing needs it (evaluation; --fast with one update per batch).
-    sampling.static_cache (CUDA): a static KV cache that torch.compile can
-    specialise on, with prompts padded to a multiple of 64 tokens so their lengths rarely
-    recompile it."""
+    sampling.static_cache: a static KV cache, compiled on a GPU, prompts padded to 64s."""
     model, tok = models.model, models.tok
     texts = [t for t in prompt_texts for _ in range(k)]            # N = B*K, grouped
     device = next(model.parameters()).device
@@ -240,13 +237,6 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
     return batch
 
 
-def stop_ids(tok, stop_strings) -> list | None:
-    """The token ids of the stop strings when each is one token (the tiny tokenizer), else None
-    (then `generate` matches the strings themselves)."""
-    ids = [tok.convert_tokens_to_ids(s) for s in stop_strings]
-    return ids if all(i is not None and i != tok.unk_token_id for i in ids) else None
-
-
 @torch.no_grad()
 def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, sampling,
                     record_old_logp: bool = True):
@@ -255,8 +245,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
     a stop string (the end of a tool call or of an answer), the environment answers, and its
     reply is appended to that episode's context. Returns the Rollout (completion = every
     turn and reply after the prompt; mask 1 only on the policy's tokens), the info dicts of
-    each episode and the texts of each episode's policy turns. Where a turn ends is the
-    environment's to say (its stop_strings: the end of a tool call or of an answer)."""
+    each episode and the texts of each episode's policy turns."""
     model, tok = models.model, models.tok
     stop_strings = envs[0].stop_strings
     device = next(model.parameters()).device
@@ -264,7 +253,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
     n = len(prompts)
     ids, policy_mask = [[] for _ in range(n)], [[] for _ in range(n)]    # the completion so far
     infos, turns = [[] for _ in range(n)], [[] for _ in range(n)]
-    stops = stop_ids(tok, stop_strings)
+    stops = tool_env.stop_ids(tok, stop_strings)
     ends = dict(eos_token_id=[tok.eos_token_id, *stops]) if stops else \
         dict(eos_token_id=tok.eos_token_id, stop_strings=list(stop_strings))
     gen = plain_sampling(tok, sampling.temperature, sampling.max_new_tokens, **ends)
@@ -277,7 +266,7 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
                        tokenizer=tok)[:, ctx.shape[1]:]                        # (n_active, T)
         still = []
         for row, i in enumerate(active):
-            new = turn_tokens(out[row].tolist(), tok, stops, stop_strings)
+            new = tool_env.turn_tokens(out[row].tolist(), tok, stops, stop_strings)
             cut[i] = cut[i] or len(new) == out.shape[1] == sampling.max_new_tokens and new[-1] not in ends_at
             text = tok.decode(new, skip_special_tokens=True).strip()
             observation, done, info = envs[i].step(text)
@@ -299,17 +288,3 @@ def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, samp
     batch = Rollout(p_ids, p_attn, completion_ids, mask, None, None, texts, completion_attn=attn,
                     share_prefix=sampling.shared_prefix, truncated=torch.tensor(cut, device=device))
     return score_logprobs(batch, models, sampling, record_old_logp), infos, turns
-
-
-def turn_tokens(generated: list, tok, stops, stop_strings) -> list:
-    """The tokens of one turn: up to and including the first stop token, EOS, or the end of
-    the first stop string; what `generate` padded after that is dropped."""
-    ends = set(stops or []) | {tok.eos_token_id}
-    cut = next((t + 1 for t, token in enumerate(generated) if token in ends), len(generated))
-    generated = generated[:cut]
-    if stops or not any(s in tok.decode(generated) for s in stop_strings):
-        return generated
-    # A stop string spread over several tokens: the shortest prefix that contains it (one
-    # decode of the whole turn above, and this search only when a stop string is there).
-    return next(generated[:t + 1] for t in range(len(generated))
-                if any(s in tok.decode(generated[:t + 1]) for s in stop_strings))

@@ -210,3 +210,26 @@ class ToolEnv:
         if name == "query_knowledge_base":
             return args["topic"].strip().lower() in self.asked
         return args["param"] in {param for param, _ in self.solutions}
+
+
+# ---- where a generated turn ends (rollout.sample_episodes) ----
+
+def stop_ids(tok, stop_strings) -> list | None:
+    """The token ids of the stop strings when each is one token (the tiny tokenizer), else None
+    (then `generate` matches the strings themselves)."""
+    ids = [tok.convert_tokens_to_ids(s) for s in stop_strings]
+    return ids if all(i is not None and i != tok.unk_token_id for i in ids) else None
+
+
+def turn_tokens(generated: list, tok, stops, stop_strings) -> list:
+    """The tokens of one turn: up to and including the first stop token, EOS, or the end of
+    the first stop string; what `generate` padded after that is dropped."""
+    ends = set(stops or []) | {tok.eos_token_id}
+    cut = next((t + 1 for t, token in enumerate(generated) if token in ends), len(generated))
+    generated = generated[:cut]
+    if stops or not any(s in tok.decode(generated) for s in stop_strings):
+        return generated
+    # A stop string spread over several tokens: the shortest prefix that contains it (one
+    # decode of the whole turn above, and this search only when a stop string is there).
+    return next(generated[:t + 1] for t in range(len(generated))
+                if any(s in tok.decode(generated[:t + 1]) for s in stop_strings))

@@ -256,3 +256,22 @@ def test_probe_001_builds_the_reports_batch_and_measures_p_off_exactly():
     for (prompt, _), (completion, _) in tied.warmstart_batch(random.Random(0), 200):
         is_fallback = completion in task.FALLBACK_TEXTS
         assert is_fallback != tied.answered_validly({"text": prompt})
+
+
+def test_probe_001s_summary_is_recomputed_from_its_committed_deltas():
+    """Every number and the verdict of results/SUMMARY.md's probe_001 entry, recomputed from
+    results/probe_001/deltas.json (the probe's every delta) by the lab's own test."""
+    from lab import probe001
+    root = Path(__file__).parent.parent / "results"
+    entry = json.loads((root / "summary.json").read_text())["probe_001"]
+    raw = json.loads((root / "probe_001" / "deltas.json").read_text())
+    tests = {}
+    for start, cells in raw.items():
+        deltas = {tuple(float(x) if x[0].isdigit() else x for x in k.split("|")): v for k, v in cells.items()}
+        for lr in probe001.LRS:
+            for state in ("fresh", "warmed"):
+                tests[(start, state, lr)] = probe001.rises(deltas, state, lr)
+                assert f"{tests[(start, 'warmed', lr)][0]:+.1e} at lr {lr:g}" in entry["measured"] or state == "fresh"
+    jumped = any(probe001.jumps(tests, s, lr, probe001.LRS) for s in raw for lr in probe001.LRS)
+    raised = any(tests[(s, "warmed", lr)][1] < 0.05 and tests[(s, "warmed", lr)][0] > 0 for s in raw for lr in probe001.LRS)
+    assert entry["verdict"].split(":")[0] == ("reproduced" if jumped else "partly" if raised else "not reproduced")

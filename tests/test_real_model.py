@@ -34,6 +34,7 @@ import shared_prefix
 import tasks
 from tasks import tool_task
 from tasks import workflow_task
+import tool_env
 from tool_env import STOP_STRINGS
 
 ROOT = Path(__file__).parent.parent
@@ -106,8 +107,8 @@ def test_a_turn_ends_at_its_stop_string_though_it_is_several_tokens(base):
     turn = '<think> look it up </think> <tool_call> {"name": "query_knowledge_base"} </tool_call>'
     ids = tok(turn + " and then the model went on talking", add_special_tokens=False)["input_ids"]
     assert len(tok("</tool_call>", add_special_tokens=False)["input_ids"]) > 1
-    assert rollout.stop_ids(tok, STOP_STRINGS) is None                 # not single tokens here
-    cut = rollout.turn_tokens(ids, tok, None, STOP_STRINGS)
+    assert tool_env.stop_ids(tok, STOP_STRINGS) is None                 # not single tokens here
+    cut = tool_env.turn_tokens(ids, tok, None, STOP_STRINGS)
     assert tok.decode(cut) == turn
     # and in real episodes: every turn that holds a stop string ends with it
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ import tasks
 from tasks import tool_task
 import train
 from logprobs import Tokens
+import tool_env
 from tool_env import STOP_STRINGS, ToolEnv
 from conftest import WARM_STARTS
 
@@ -95,11 +96,11 @@ def test_masked_environment_tokens_do_not_move_the_loss(tiny):
 
 def test_a_turn_ends_at_its_stop_token_and_drops_what_generate_padded(tiny):
     _, tok = tiny
-    stops = rollout.stop_ids(tok, STOP_STRINGS)
+    stops = tool_env.stop_ids(tok, STOP_STRINGS)
     assert stops is not None and len(stops) == 2
     turn = tok("<think> x </think> <answer> a = 1 </answer>", add_special_tokens=False)["input_ids"]
-    assert rollout.turn_tokens(turn + [tok.pad_token_id] * 4, tok, stops, STOP_STRINGS) == turn
-    assert rollout.turn_tokens(turn[:3], tok, stops, STOP_STRINGS) == turn[:3]     # cut by length
+    assert tool_env.turn_tokens(turn + [tok.pad_token_id] * 4, tok, stops, STOP_STRINGS) == turn
+    assert tool_env.turn_tokens(turn[:3], tok, stops, STOP_STRINGS) == turn[:3]     # cut by length
 
 
 def test_the_vocabulary_reads_every_prompt_demonstration_and_response():
