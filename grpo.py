@@ -46,8 +46,7 @@ reward-weighted cross-entropy. Every knob is a field of HyperParams, defined (de
 range) by the lesson it belongs to (its Knobs, below: KNOBS) and copied from the flag of the
 same name (running/config.py: hyper_params); `python train.py --k 8 --norm global` runs it.
 """
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -94,10 +93,10 @@ def own_defaults(cfg, given: dict):
     names on the command line): --ratio-level sequence, GSPO's clip range and aggregation;
     --policy-loss sapo or gmpo, its own aggregation (surrogates.OWN_AGGREGATION)."""
     if cfg.policy_loss in surrogates.OWN_AGGREGATION and "loss_agg" not in given:
-        cfg = dataclasses.replace(cfg, loss_agg=surrogates.OWN_AGGREGATION[cfg.policy_loss])
+        cfg = replace(cfg, loss_agg=surrogates.OWN_AGGREGATION[cfg.policy_loss])
     if cfg.ratio_level != "sequence":
         return cfg
-    return dataclasses.replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
+    return replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
 
 
 # the lessons whose knobs one step's advantages and update read

@@ -466,7 +466,6 @@ def test_the_default_folder_says_what_ran(extra, mark, tmp_path, monkeypatch):
 
 def test_the_default_folder_names_the_model_and_the_start():
     from types import SimpleNamespace
-    from running import checks
     cfg = SimpleNamespace(task="dsl", reward="shaped", difficulty=1, curriculum=False, model="/models/My Model",
                           init_from="runs/rce", policy_loss="clip", ratio_level="token", epochs=1,
                           rollout_dtype="same", rollout_stale=0, algo="grpo", k=8, batch=8, norm="global",
