@@ -271,7 +271,8 @@ def test_probe_001s_summary_is_recomputed_from_its_committed_deltas():
         for lr in probe001.LRS:
             for state in ("fresh", "warmed"):
                 tests[(start, state, lr)] = probe001.rises(deltas, state, lr)
-                assert f"{tests[(start, 'warmed', lr)][0]:+.1e} at lr {lr:g}" in entry["measured"] or state == "fresh"
+            d, p = tests[(start, "warmed", lr)]
+            assert f"{d:+.1e} at lr {lr:g} (p {p:.2g})" in entry["measured"], (start, lr)
     jumped = any(probe001.jumps(tests, s, lr, probe001.LRS) for s in raw for lr in probe001.LRS)
     raised = any(tests[(s, "warmed", lr)][1] < 0.05 and tests[(s, "warmed", lr)][0] > 0 for s in raw for lr in probe001.LRS)
     assert entry["verdict"].split(":")[0] == ("reproduced" if jumped else "partly" if raised else "not reproduced")
