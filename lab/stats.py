@@ -142,7 +142,31 @@ def committed(experiment: str, arm: str, key: str) -> list:
     return [json.loads(r.read_text())[key] for r in runs]
 
 
+def toy(experiment: str, setting: str, key: str) -> list:
+    """key of every committed tiny-model run of one setting (results/EXPERIMENT/summaries.json), seeds 0..5."""
+    root = REAL.parent / experiment / "summaries.json"
+    return [run[key] for run in json.loads(root.read_text())[setting]]
+
+
+def toy_group_norm() -> None:
+    """Lesson 2's comparisons of the committed group_norm runs, put to the tests above after the
+    fact: their rule named no test, so these p-values were not registered before the runs."""
+    best = {s: toy("group_norm", s, "eval_best_rate_end") for s in
+            ("--k 2 --batch 3 --norm group", "--k 8 --batch 3 --norm group", "--k 8 --batch 2 --norm group",
+             "--k 2 --batch 12 --norm group")}
+    k2, k8b3, k8b2, fair = best.values()
+    print("The committed tiny-model group_norm runs (lr 1e-3, held-out best at the end, 6 seeds), tested after the fact:")
+    for name, x, y in (("K=8/B=3 above K=2/B=3", k8b3, k2), ("K=8/B=2 (report 001's fix A) above K=2/B=3", k8b2, k2),
+                       ("K=8/B=3 above K=2/B=12 (the same 24 samples a step)", k8b3, fair)):
+        print(f"  {name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation p = "
+              f"{permutation(x, y):.3f}")
+    off = [sum(toy("group_norm_aggressive_lr", f"--k {k} --batch 3 --norm group", "ended_off_format")) for k in (2, 8)]
+    print(f"  off-format at lr 7e-3: K=2/B=3 {off[0]}/6, K=8/B=3 {off[1]}/6, one-sided Fisher p = "
+          f"{fisher(off[0], 6, off[1], 6):.4f}\n")
+
+
 def main() -> None:
+    toy_group_norm()
     arms = {arm: committed("real_group_size", arm, "eval_best_rate_end")
             for arm in ("K=2,_B=3", "K=8,_B=3", "K=8,_B=3,_entropy_bonus_0.01")}
     sd = math.sqrt(statistics.fmean(statistics.variance(x) for x in arms.values()))   # pooled, equal arms

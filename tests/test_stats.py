@@ -91,3 +91,17 @@ def test_the_bootstrap_interval_holds_the_observed_difference_and_is_a_point_for
     assert lo <= statistics.fmean([0.5, 0.7, 0.6, 0.9]) - 0.2 <= hi
     assert stats.bootstrap([0.4, 0.4], [0.1, 0.1]) == pytest.approx((0.3, 0.3))
 
+
+
+def test_lesson_2s_group_norm_comparison_tested_after_the_fact(capsys):
+    """python -m lab.stats's first line: K=8/B=3 against K=2/B=3 on the committed group_norm runs,
+    its p the share of all C(12, 6) splits of the twelve runs (a plain loop) at least as far apart."""
+    import itertools
+    k8 = stats.toy("group_norm", "--k 8 --batch 3 --norm group", "eval_best_rate_end")
+    k2 = stats.toy("group_norm", "--k 2 --batch 3 --norm group", "eval_best_rate_end")
+    pooled, seen = k8 + k2, statistics.fmean(k8) - statistics.fmean(k2)
+    splits = list(itertools.combinations(range(12), 6))
+    naive = sum(statistics.fmean([pooled[i] for i in a]) - statistics.fmean([pooled[i] for i in range(12) if i not in a])
+                >= seen - 1e-12 for a in splits) / len(splits)
+    stats.toy_group_norm()
+    assert f"K=8/B=3 above K=2/B=3: {seen:+.3f}, one-sided permutation p = {naive:.3f}" in capsys.readouterr().out
