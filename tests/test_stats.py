@@ -103,5 +103,5 @@ def test_lesson_2s_group_norm_comparison_tested_after_the_fact(capsys):
     splits = list(itertools.combinations(range(12), 6))
     naive = sum(statistics.fmean([pooled[i] for i in a]) - statistics.fmean([pooled[i] for i in range(12) if i not in a])
                 >= seen - 1e-12 for a in splits) / len(splits)
-    stats.toy_group_norm()
+    stats.toy_after_the_fact()
     assert f"K=8/B=3 above K=2/B=3: {seen:+.3f}, one-sided permutation p = {naive:.3f}" in capsys.readouterr().out
