@@ -94,24 +94,32 @@ def other_valid(ptype: str, rng: random.Random) -> str:
 
 # ---- the measurement: exact, on the held-out prompts ----
 
-@torch.no_grad()
-def measure(model, tok) -> dict:
-    """The mean over held-out prompts of P(off) and of log p(fallback / best / a valid non-best
-    workflow), each completion teacher-forced with its EOS."""
-    model.eval()
+def held_out(tok) -> dict:
+    """The held-out prompts, encoded once for every measure: left-padded for P(off), and as
+    teacher-forced rows (policy.sft_rows) with the fallback, the best and the commonest valid
+    workflow that is not best, each with its EOS."""
     prompts = task.make_prompts("eval")
     texts = [policy.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts]
-    ids, mask = logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts], tok.pad_token_id,
-                                  model.device)
-    first = tok(task.FALLBACK_TEXTS[0], add_special_tokens=False)["input_ids"][0]
-    p_off = torch.softmax(model(input_ids=ids, attention_mask=mask).logits[:, -1].float(), -1)[:, first]
-    out = {"p_off": p_off.mean().item()}
+    out = {"prompts": logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
+                                        tok.pad_token_id, None),
+           "first": tok(task.FALLBACK_TEXTS[0], add_special_tokens=False)["input_ids"][0]}
     valid = [max((q for q in task.REPORT_TOP_PATTERNS if q != p["best"]), key=task.REPORT_TOP_PATTERNS.get)
-             for p in prompts]                           # the commonest valid workflow that is not best
+             for p in prompts]
     for name, completions in (("fallback", [task.FALLBACK_TEXTS[0]] * len(prompts)),
                               ("best", [p["best"] for p in prompts]), ("valid", valid)):
-        rows = policy.sft_rows(task, tok, [[(p["text"], False), (c, True)] for p, c in zip(prompts, completions)])
-        out[f"lp_{name}"] = completion_logprob(model, *rows).mean().item()
+        out[name] = policy.sft_rows(task, tok, [[(p["text"], False), (c, True)] for p, c in zip(prompts, completions)])
+    return out
+
+
+@torch.no_grad()
+def measure(model, held: dict) -> dict:
+    """The mean over held-out prompts of P(off) and of log p(fallback / best / valid), exactly."""
+    model.eval()
+    ids, mask = held["prompts"]                                                 # (n, P)
+    p_off = torch.softmax(model(input_ids=ids, attention_mask=mask).logits[:, -1].float(), -1)[:, held["first"]]
+    out = {"p_off": p_off.mean().item()}                                        # p_off: (n,)
+    for name in ("fallback", "best", "valid"):
+        out[f"lp_{name}"] = completion_logprob(model, *held[name]).mean().item()
     return out
 
 
@@ -177,15 +185,15 @@ def warmed(model, tok) -> tuple:
 def probe(model, tok, batches: int, lrs, pool: list) -> dict:
     """{(optimizer state, lr, condition): {measure: [after - before, one per batch]}, and
     (optimizer state, "before"): the measures before any probe update}."""
-    out = {}
+    out, held = {}, held_out(tok)
     for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok))):
-        out[(state, "before")] = before = measure(start, tok)
+        out[(state, "before")] = before = measure(start, held)
         for lr in lrs:
             for condition in CONDITIONS:
                 rng, deltas = random.Random(0), {m: [] for m in MEASURES}
                 for _ in range(batches):        # the same batches in every condition (rng from 0)
                     batch, k = probe_batch(start, tok, condition, rng, pool)
-                    after = measure(updated(start, opt_state, batch, k, lr), tok)
+                    after = measure(updated(start, opt_state, batch, k, lr), held)
                     for m in MEASURES:
                         deltas[m].append(after[m] - before[m])
                 out[(state, lr, condition)] = deltas

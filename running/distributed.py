@@ -87,9 +87,6 @@ def is_main() -> bool:
     return rank() == 0
 
 
-_device = "cpu"        # where the collectives' tensors must live: nccl wants them on the GPU
-
-
 def init(device: str, timeout: float = 300.0) -> None:
     """Join torchrun's process group: nccl on GPUs (this rank's GPU = LOCAL_RANK), gloo on CPUs,
     and gloo too where ranks share a GPU (nccl refuses two ranks on one device): the model on the
@@ -97,14 +94,12 @@ def init(device: str, timeout: float = 300.0) -> None:
     (--collective-timeout); past it the collective raises, and train.py ends the job with a line
     naming this rank (RankLost), where a rank stopped with kill -STOP would otherwise hang the
     others forever."""
-    global _device
     backend = "gloo"
     if device == "cuda":
         gpus = torch.cuda.device_count()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
         backend = "nccl" if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= gpus else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-    _device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
 
 
 def close() -> None:

@@ -251,7 +251,7 @@ def test_probe_001_builds_the_reports_batch_and_measures_p_off_exactly():
     with torch.no_grad():
         alone = [torch.softmax(model(torch.tensor([tok(p["text"], add_special_tokens=False)["input_ids"]]))
                                .logits[0, -1], -1)[first].item() for p in task.make_prompts("eval")]
-    assert probe001.measure(model, tok)["p_off"] == pytest.approx(statistics.fmean(alone), rel=1e-4)
+    assert probe001.measure(model, probe001.held_out(tok))["p_off"] == pytest.approx(statistics.fmean(alone), rel=1e-4)
     tied = probe001.tied_task()
     for (prompt, _), (completion, _) in tied.warmstart_batch(random.Random(0), 200):
         is_fallback = completion in task.FALLBACK_TEXTS
