@@ -37,12 +37,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+INTERRUPTED = "python -m tools.bench: interrupted; nothing was written"
+try:                                      # torch and matplotlib take seconds to load on a busy machine
+    import torch
 
-from running import config
-from models import pretrained
-from running import checks
-from running import report
+    from models import pretrained
+    from running import checks, config, report
+except KeyboardInterrupt:                 # Ctrl-C while they load: the same one line as during a run
+    print(INTERRUPTED, file=sys.stderr)
+    sys.exit(130)
 
 ROOT = Path(__file__).parent.parent          # the repository: workers run as `python -m tools.bench` there
 
@@ -521,5 +524,5 @@ if __name__ == "__main__":
     try:
         main()
     except KeyboardInterrupt:             # Ctrl-C: one line, as a shell reports it, no traceback
-        print("python -m tools.bench: interrupted; nothing was written", file=sys.stderr)
+        print(INTERRUPTED, file=sys.stderr)
         sys.exit(130)
