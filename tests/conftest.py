@@ -41,6 +41,20 @@ def sigterm_stops_the_suite(monkeypatch):
 def pytest_configure(config):
     config.addinivalue_line("markers", "lesson: a lesson's demonstration against its reference; "
                                        "`python -m pytest -q -m lesson` runs them alone in about a minute")
+    config.addinivalue_line("markers", "slow: minutes each (the whole quick lab, SmolLM2's warm start and RL "
+                                       "steps): left out of `python -m pytest -q` so CI fits in 12 minutes on "
+                                       "2 cores; `python -m pytest -q -m slow` runs them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier stays out unless asked for: by -m (`-m slow`, `-m "slow or not slow"`) or by
+    naming the tests (a file or a test id on the command line runs what it names)."""
+    if config.getoption("markexpr") or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 def grpo_update(scorer, optimizer, batch, hp):

@@ -14,6 +14,7 @@ from tools import decode_floor
 from lab import main as lab
 
 
+@pytest.mark.slow
 def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path, capsys):
     lab.main(["--quick", "--out", str(tmp_path)])
     said = [line for line in capsys.readouterr().out.splitlines() if line.split(":")[0] in lab.EXPERIMENTS]

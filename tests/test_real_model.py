@@ -14,6 +14,8 @@ What a reader of a real-model run relies on, each checked here:
 
 Its time on 2 CPU cores is in docs/performance.md (`python -m pytest -q tests/test_real_model.py
 --durations=5`); the RL steps evaluate 4 held-out prompts (--eval-prompts 4) to keep it short.
+The warm start, the RL steps and the float64 shared prefix are the slow tier (`-m slow`, about
+4 minutes): the README's test command runs the rest (loading, the template, EOS, stop strings).
 """
 import copy
 import subprocess
@@ -120,6 +122,7 @@ def test_a_turn_ends_at_its_stop_string_though_it_is_several_tokens(base):
             assert not hits or text.endswith(hits[0]), text
 
 
+@pytest.mark.slow
 def test_the_shared_prefix_forward_is_exact_on_smollm2(base, monkeypatch):
     """shared_prefix.py on the real model: 3 DSL prompts of different lengths in the chat
     template (left-padded), 2 sampled completions each. Each prompt encoded once: log-probs,
@@ -150,6 +153,7 @@ def test_the_shared_prefix_forward_is_exact_on_smollm2(base, monkeypatch):
     assert_same(loss_and_grads(wide, batch, False, k=2), loss_and_grads(wide, batch, True, k=2), batch.completion_mask)
 
 
+@pytest.mark.slow
 def test_a_short_warm_start_lands_near_report_001s_starting_mix(base, warm):
     """Report 001's start: 57% valid DSL, 43% `### Step 1` fallback. The base model writes
     prose for every prompt; 10 supervised steps move it into a band around that mix (64
@@ -162,6 +166,7 @@ def test_a_short_warm_start_lands_near_report_001s_starting_mix(base, warm):
     assert rates["eval_junk_rate"] <= 0.3, rates
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_one_rl_step_changes_the_weights_and_its_checkpoint_loads_with_plain_transformers(warm, tmp_path, algo):
     _, folder = warm
