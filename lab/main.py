@@ -34,7 +34,7 @@ from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
 from lab.report003 import kl_range, rce_grpo
-from lab import real, real_collapse
+from lab import real, real_collapse, stats
 from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
@@ -49,7 +49,9 @@ REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (
 NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
-def summary_md(results: dict) -> str:
+def summary_md(results: dict, root: Path | None = None) -> str:
+    """SUMMARY.md of the entries in results; root: the lab's folder, whose runs give the tests
+    made after them (stats.after_the_fact) for the entries whose rule named none."""
     head = ("# What the reports claimed, and what the lab measured\n\n"
             "Written by `python -m lab`; each entry says when it was measured and with how many seeds "
             "per setting. Each verdict is computed from the numbers by the rule written next to its "
@@ -68,6 +70,10 @@ def summary_md(results: dict) -> str:
         if changed:
             ruled += (f"\n- **Rule changed after runs existed.** Under the rule registered "
                       f"{changed.get('registered')} (\"{changed['rule']}\") the verdict was: {changed['verdict']}")
+        tested = stats.after_the_fact(root, name) if root and not r.get("quick") else []
+        if tested:
+            ruled += (f"\n- **Tested after the runs** (the rule named no test; held-out best at the end over "
+                      f"seeds, alpha {stats.ALPHA}): " + "; ".join(tested))
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
                      f"({when}; {r['seconds']:.0f} s){ruled}{fig}\n")
@@ -166,7 +172,7 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
             entry = dict(entry, seconds=old["seconds"], date=old.get("date"))
         results[name] = registered(entry, old)
         results = {n: results[n] for n in (order or EXPERIMENTS) if n in results}
-        for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results))):
+        for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results, out))):
             tmp = out / f".{file}.tmp-{os.getpid()}"
             tmp.write_text(text)
             os.replace(tmp, out / file)

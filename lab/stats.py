@@ -142,10 +142,10 @@ def committed(experiment: str, arm: str, key: str) -> list:
     return [json.loads(r.read_text())[key] for r in runs]
 
 
-def toy(experiment: str, setting: str, key: str) -> list:
-    """key of every committed tiny-model run of one setting (results/EXPERIMENT/summaries.json), seeds 0..5."""
-    root = REAL.parent / experiment / "summaries.json"
-    return [run[key] for run in json.loads(root.read_text())[setting]]
+def toy(experiment: str, setting: str, key: str, root: Path = REAL.parent) -> list:
+    """key of every tiny-model run of one setting (root/EXPERIMENT/summaries.json: the committed
+    results by default), in seed order."""
+    return [run[key] for run in json.loads((root / experiment / "summaries.json").read_text())[setting]]
 
 
 # Comparisons of the committed tiny-model runs: (what is claimed above what, arm, arm), each arm
@@ -171,17 +171,42 @@ AFTER_THE_FACT = (
 )
 
 
+def after_the_fact(root: Path, experiment: str) -> list[str]:
+    """The AFTER_THE_FACT comparisons whose first arm is experiment's, tested on the runs in root
+    (a lab's folder), one phrase each (SUMMARY.md's entry, `python -m lab.stats`); for
+    group_norm also its lr-7e-3 runs' off-format counts, to Fisher's test. None where a run's
+    file is missing (a --quick or partial lab)."""
+    out = []
+    try:
+        for name, (ex, first), (ey, second) in AFTER_THE_FACT:
+            if ex == experiment:
+                x, y = toy(ex, first, "eval_best_rate_end", root), toy(ey, second, "eval_best_rate_end", root)
+                p = permutation(x, y)
+                out.append(f"{name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation "
+                           f"p = {p:.3f}{undecided(p)}")
+        if experiment == "group_norm":
+            off = [toy("group_norm_aggressive_lr", f"--k {k} --batch 3 --norm group", "ended_off_format", root)
+                   for k in (2, 8)]
+            p = fisher(sum(off[0]), len(off[0]), sum(off[1]), len(off[1]))
+            out.append(f"off-format at lr 7e-3: K=2/B=3 {sum(off[0])}/{len(off[0])}, K=8/B=3 {sum(off[1])}/"
+                       f"{len(off[1])}, one-sided Fisher p = {p:.4f}{undecided(p)}")
+    except (OSError, KeyError, ValueError):
+        return []
+    return out
+
+
+def undecided(p: float) -> str:
+    return "" if p < ALPHA else " (inconclusive)"
+
+
 def toy_after_the_fact() -> None:
     """The committed tiny-model runs' central comparisons (held-out best at the end), each put to
     the one-sided permutation test; and group_norm's off-format count at lr 7e-3 to Fisher's."""
     print("The committed tiny-model runs, held-out best at the end, 6 seeds an arm, tested after the fact:")
-    for name, x, y in AFTER_THE_FACT:
-        x, y = toy(*x, "eval_best_rate_end"), toy(*y, "eval_best_rate_end")
-        print(f"  {name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation p = "
-              f"{permutation(x, y):.3f}")
-    off = [sum(toy("group_norm_aggressive_lr", f"--k {k} --batch 3 --norm group", "ended_off_format")) for k in (2, 8)]
-    print(f"  off-format at lr 7e-3: K=2/B=3 {off[0]}/6, K=8/B=3 {off[1]}/6, one-sided Fisher p = "
-          f"{fisher(off[0], 6, off[1], 6):.4f}\n")
+    for experiment in dict.fromkeys(x[0] for _, x, _ in AFTER_THE_FACT):
+        for line in after_the_fact(REAL.parent, experiment):
+            print(f"  {line}")
+    print()
 
 
 def main() -> None:

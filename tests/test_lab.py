@@ -12,6 +12,7 @@ import shared_prefix
 from tools import bench
 from tools import decode_floor
 from lab import main as lab
+from lab import stats
 
 
 @pytest.mark.slow
@@ -277,3 +278,19 @@ def test_probe_001s_summary_is_recomputed_from_its_committed_deltas():
     jumped = any(probe001.jumps(tests, s, lr, probe001.LRS) for s in raw for lr in probe001.LRS)
     raised = any(tests[(s, "warmed", lr)][1] < 0.05 and tests[(s, "warmed", lr)][0] > 0 for s in raw for lr in probe001.LRS)
     assert entry["verdict"].split(":")[0] == ("reproduced" if jumped else "partly" if raised else "not reproduced")
+
+
+def test_the_committed_summary_is_what_the_lab_writes_from_its_files():
+    """results/SUMMARY.md is summary_md of results/summary.json with the runs beside it: each
+    entry whose rule named no test carries the tests made after the runs, recomputed here from
+    the runs' summaries.json (group_norm's K=8/B=3 above K=2/B=3 and the off-format counts)."""
+    results = Path(__file__).parent.parent / "results"
+    text = (results / "SUMMARY.md").read_text()
+    assert text == lab.summary_md(lab.read_summary(results), results)
+    group_norm = text.split("## group_norm")[1].split("\n## ")[0]
+    k8 = stats.toy("group_norm", "--k 8 --batch 3 --norm group", "eval_best_rate_end")
+    k2 = stats.toy("group_norm", "--k 2 --batch 3 --norm group", "eval_best_rate_end")
+    assert (f"K=8/B=3 above K=2/B=3: {statistics.fmean(k8) - statistics.fmean(k2):+.3f}, one-sided permutation "
+            f"p = {stats.permutation(k8, k2):.3f};") in group_norm
+    assert "K=2/B=3 5/6, K=8/B=3 0/6, one-sided Fisher p = 0.0076" in group_norm       # 6 / C(12, 5) = 6/792
+    assert "Tested after the runs" not in lab.summary_md(lab.read_summary(results))    # no folder, no runs to test
