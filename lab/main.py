@@ -151,7 +151,7 @@ def real_lab(args, out: Path) -> None:
         t0 = time.time()
         print(f"{name} ...", flush=True)
         entry = dict(REAL[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
-                     seeds=lab.seeds, quick=False, rule=rule_of(REAL[name]))
+                     seeds=lab.seeds_of(name), quick=False, rule=rule_of(REAL[name]))
         print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry, order=list(REAL))
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")

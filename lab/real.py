@@ -1,6 +1,7 @@
-"""The reports' central claims on a real model (SmolLM2-135M-Instruct), 3 seeds per setting.
+"""The reports' central claims on a real model (SmolLM2-135M-Instruct), 3 seeds per setting, and
+K=8 against K=2 again over the 10 seeds its effect needs (real_k_power: POWERED).
 
-    python -m lab --model smollm2-135m                  # all four, into results/smollm2-135m/
+    python -m lab --model smollm2-135m                  # all of them, into results/smollm2-135m/
     python -m lab --model smollm2-135m real_group_size  # one of them
 
 The toy lab (the other experiments) runs every comparison on a 130k-parameter model; this one
@@ -22,11 +23,12 @@ import statistics
 import time
 from pathlib import Path
 
-from lab import compare
+from lab import compare, stats
 from lab.common import mean
 from running import config, plots
 
 SEEDS = 3
+POWERED = {"real_k_power": 10}      # seeds per setting of the experiments sized by the power analysis
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
@@ -35,11 +37,18 @@ COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly
 # one group (K sequences; two episodes on the tool task) keep the peak memory of a step under
 # 4 GB (docs/performance.md) and each prompt encoded once (shared_prefix.py).
 K8 = "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8"
+# real_k_power: held-out best from every one of the 32 held-out prompts twice (64 samples: binomial
+# SE 0.054 at 0.25, against 0.108 from 16), at the warm start and the end only
+EVERY_PROMPT = "--eval-every 30 --eval-prompts 32 --eval-samples 2"
 SETTINGS = {
     "real_group_size": {
         "K=2, B=3": "--k 2 --batch 3 --norm group --steps 30",
         "K=8, B=3": K8,
         "K=8, B=3, entropy bonus 0.01": f"{K8} --entropy-coef 0.01",
+    },
+    "real_k_power": {
+        "K=2, B=3": f"--k 2 --batch 3 --norm group --steps 30 {EVERY_PROMPT}",
+        "K=8, B=3": f"{K8} {EVERY_PROMPT}",
     },
     "real_tools": {
         "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
@@ -83,6 +92,10 @@ class RealLab:
     def __init__(self, root: Path, model: str, seeds: int = SEEDS):
         self.root, self.model, self.seeds = Path(root), model, seeds
 
+    def seeds_of(self, name: str) -> int:
+        """Seeds per setting: the lab's, or a powered experiment's own (POWERED)."""
+        return POWERED.get(name, self.seeds)
+
     def out(self, name: str, label: str, seed: int) -> Path:
         return self.root / name / "runs" / compare.slug(label) / f"s{seed}"
 
@@ -109,7 +122,7 @@ class RealLab:
         return summary
 
     def runs(self, name: str, label: str, log=print) -> list:
-        return [self.run(name, label, seed, log) for seed in range(self.seeds)]
+        return [self.run(name, label, seed, log) for seed in range(self.seeds_of(name))]
 
 
 def finished(argv: list) -> dict | None:
@@ -162,7 +175,7 @@ def estimate(lab: RealLab, names: list) -> tuple[int, float]:
     left, seconds, tasks_left = 0, 0.0, set()
     for name in names:
         for label in SETTINGS.get(name, {}):
-            for seed in range(lab.seeds):
+            for seed in range(lab.seeds_of(name)):
                 if finished(lab.argv(name, label, seed)) is not None and not (
                         label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
                     continue
@@ -175,8 +188,9 @@ def estimate(lab: RealLab, names: list) -> tuple[int, float]:
 
 def modelled(c: dict) -> float:
     """A run's seconds by COST: steps x (a step + its sequences), EPOCH_SHARE more per extra
-    epoch, + evaluations."""
+    epoch, + evaluations (COST's of 16 held-out samples, scaled to the run's)."""
     fixed, per_seq, per_eval = COST[c["task"]]
+    per_eval *= (c["eval_prompts"] or 32) * c["eval_samples"] / 16
     per_step = (fixed + c["k"] * c["batch"] * per_seq) * (1 + EPOCH_SHARE * (c["epochs"] - 1))
     return c["steps"] * per_step + (c["steps"] // c["eval_every"] + 1) * per_eval
 
@@ -214,7 +228,7 @@ def write_table(lab: RealLab, name: str, runs: dict, columns: list) -> None:
     metrics = ("eval_best_rate", "eval_one_answer", "entropy") if first["task"] == "dsl" else \
         ("eval_accuracy", "eval_tool_calls", "frac_adv_negative")
     compare.figure(runs, lab.root / name / "compare.png",
-                   f"{name}: {lab.seeds} seeds; {plots.made_by(first)}", metrics)
+                   f"{name}: {lab.seeds_of(name)} seeds; {plots.made_by(first)}", metrics)
 
 
 # ---- report 001: K=2 against K=8, and the collapse onto one workflow ----
@@ -257,6 +271,34 @@ def real_group_size(lab: RealLab, log=print) -> dict:
                          "partly: K=8 learns more than K=2, but K=2 does not crash after most updates"
                          if k8_better else "not reproduced")
                 + f"; the entropy bonus {'prevents' if prevents else 'does not prevent'} the collapse onto one answer")
+
+
+def real_k_power(lab: RealLab, log=print) -> dict:
+    """K=8/B=3 against K=2/B=3 (group norm) on SmolLM2, over the seeds a 0.15 difference needs (report 001)."""
+    runs = {label: lab.runs("real_k_power", label, log) for label in SETTINGS["real_k_power"]}
+    write_table(lab, "real_k_power", runs, [
+        ("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),
+        ("one answer (end)", "eval_one_answer_end"), ("crash rate", "crash_rate"), ("crash floor", "crash_floor")])
+    k2, k8 = ([r["eval_best_rate_end"] for r in rs] for rs in runs.values())
+    start = [r["eval_best_rate_start"] for rs in runs.values() for r in rs]
+    ends = [sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for rs in runs.values()]
+    # rule (written before the first run): K=8/B=3's mean held-out best at the end (64 samples:
+    # every held-out prompt twice) is above K=2/B=3's by the one-sided permutation test over
+    # 10 seeds an arm, alpha 0.05: "reproduced" if p < 0.05, else "inconclusive". Its power:
+    # 10 runs an arm detect 0.15 at the 3-seed pilot's sd 0.13 with power 0.8 (lab.stats). The
+    # null: both arms start from one warm start, so a frozen policy's difference is 0; its
+    # held-out best is the step-0 evaluation. Reported beside it, with no verdict of its own:
+    # runs ending on one answer, K=2 above K=8, by Fisher's exact test.
+    p = stats.permutation(k8, k2)
+    n = len(k8)
+    return dict(report="001", figure="real_k_power/compare.png",
+                claim="K=8 learns more than K=2 (report 001's fix; the 3-seed lab could not decide: p = 0.30)",
+                measured=f"held-out best at the end (64 samples each): K=2/B=3 {compare.spread(k2)}, K=8/B=3 "
+                         f"{compare.spread(k8)}, difference {mean(k8) - mean(k2):+.3f}, one-sided permutation p = "
+                         f"{p:.3f} over {n} seeds an arm; at the warm start (the frozen policy) "
+                         f"{compare.spread(start)}; runs ending on one answer: K=2 {ends[0]}/{n}, K=8 {ends[1]}/{n} "
+                         f"(one-sided Fisher p = {stats.fisher(ends[0], n, ends[1], n):.2f})",
+                verdict=stats.decide(p))
 
 
 # ---- report 000: sparse against shaped reward for tool calls ----
@@ -369,5 +411,5 @@ def real_monitor(lab: RealLab, log=print) -> dict:
                 verdict=verdict)
 
 
-EXPERIMENTS = {"real_group_size": real_group_size, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
+EXPERIMENTS = {"real_group_size": real_group_size, "real_k_power": real_k_power, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
                "real_monitor": real_monitor}
