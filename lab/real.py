@@ -1,5 +1,5 @@
 """The reports' central claims on a real model (SmolLM2-135M-Instruct), 3 seeds per setting, and
-K=8 against K=2 again over the 10 seeds its effect needs (real_k_power: POWERED).
+two of them again over the 10 seeds the power analysis asks for (real_k_fair, real_entropy_held).
 
     python -m lab --model smollm2-135m                  # all of them, into results/smollm2-135m/
     python -m lab --model smollm2-135m real_group_size  # one of them
@@ -28,7 +28,7 @@ from lab.common import mean
 from running import config, plots
 
 SEEDS = 3
-POWERED = {"real_k_power": 10}      # seeds per setting of the experiments sized by the power analysis
+POWERED = {"real_k_fair": 10, "real_entropy_held": 10}   # seeds per setting, by the power analysis
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
@@ -37,8 +37,8 @@ COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly
 # one group (K sequences; two episodes on the tool task) keep the peak memory of a step under
 # 4 GB (docs/performance.md) and each prompt encoded once (shared_prefix.py).
 K8 = "--k 8 --batch 3 --norm group --steps 30 --micro-batch 8"
-# real_k_power: held-out best from every one of the 32 held-out prompts twice (64 samples: binomial
-# SE 0.054 at 0.25, against 0.108 from 16), at the warm start and the end only
+# the powered experiments: every one of the 32 held-out prompts twice (64 samples: binomial SE 0.054
+# at 0.25, against 0.108 from 16), at the warm start and the end only
 EVERY_PROMPT = "--eval-every 30 --eval-prompts 32 --eval-samples 2"
 SETTINGS = {
     "real_group_size": {
@@ -46,9 +46,12 @@ SETTINGS = {
         "K=8, B=3": K8,
         "K=8, B=3, entropy bonus 0.01": f"{K8} --entropy-coef 0.01",
     },
-    "real_k_power": {
-        "K=2, B=3": f"--k 2 --batch 3 --norm group --steps 30 {EVERY_PROMPT}",
+    "real_k_fair": {                  # the same 24 samples a step
+        "K=2, B=12": f"--k 2 --batch 12 --norm group --steps 30 --micro-batch 8 {EVERY_PROMPT}",
         "K=8, B=3": f"{K8} {EVERY_PROMPT}",
+    },
+    "real_entropy_held": {            # against real_k_fair's K=8/B=3 runs
+        "adaptive entropy": f"{K8} --entropy-target 0.2 {EVERY_PROMPT}",
     },
     "real_tools": {
         "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
@@ -273,32 +276,61 @@ def real_group_size(lab: RealLab, log=print) -> dict:
                 + f"; the entropy bonus {'prevents' if prevents else 'does not prevent'} the collapse onto one answer")
 
 
-def real_k_power(lab: RealLab, log=print) -> dict:
-    """K=8/B=3 against K=2/B=3 (group norm) on SmolLM2, over the seeds a 0.15 difference needs (report 001)."""
-    runs = {label: lab.runs("real_k_power", label, log) for label in SETTINGS["real_k_power"]}
-    write_table(lab, "real_k_power", runs, [
-        ("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),
-        ("one answer (end)", "eval_one_answer_end"), ("crash rate", "crash_rate"), ("crash floor", "crash_floor")])
+def real_k_fair(lab: RealLab, log=print) -> dict:
+    """K=8/B=3 against K=2/B=12 (the same samples a step) on SmolLM2, over 10 seeds (report 001)."""
+    runs = {label: lab.runs("real_k_fair", label, log) for label in SETTINGS["real_k_fair"]}
+    write_table(lab, "real_k_fair", runs, POWERED_COLUMNS)
     k2, k8 = ([r["eval_best_rate_end"] for r in rs] for rs in runs.values())
-    start = [r["eval_best_rate_start"] for rs in runs.values() for r in rs]
-    ends = [sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for rs in runs.values()]
     # rule (written before the first run): K=8/B=3's mean held-out best at the end (64 samples:
-    # every held-out prompt twice) is above K=2/B=3's by the one-sided permutation test over
-    # 10 seeds an arm, alpha 0.05: "reproduced" if p < 0.05, else "inconclusive". Its power:
-    # 10 runs an arm detect 0.15 at the 3-seed pilot's sd 0.13 with power 0.8 (lab.stats). The
-    # null: both arms start from one warm start, so a frozen policy's difference is 0; its
-    # held-out best is the step-0 evaluation. Reported beside it, with no verdict of its own:
-    # runs ending on one answer, K=2 above K=8, by Fisher's exact test.
+    # every held-out prompt twice) is above K=2/B=12's, the same 24 samples a step: one-sided
+    # permutation test over 10 seeds an arm, alpha 0.05: "reproduced" if p < 0.05, else
+    # "inconclusive". 10 runs an arm detect 0.15 at the 3-seed pilot's sd 0.13 with power 0.8
+    # (lab.stats); the toy's +0.05 at equal samples they cannot see. The null: every run starts
+    # from one warm start (its held-out best is the step-0 evaluation), so a frozen policy's
+    # difference is 0.
     p = stats.permutation(k8, k2)
-    n = len(k8)
-    return dict(report="001", figure="real_k_power/compare.png",
-                claim="K=8 learns more than K=2 (report 001's fix; the 3-seed lab could not decide: p = 0.30)",
-                measured=f"held-out best at the end (64 samples each): K=2/B=3 {compare.spread(k2)}, K=8/B=3 "
-                         f"{compare.spread(k8)}, difference {mean(k8) - mean(k2):+.3f}, one-sided permutation p = "
-                         f"{p:.3f} over {n} seeds an arm; at the warm start (the frozen policy) "
-                         f"{compare.spread(start)}; runs ending on one answer: K=2 {ends[0]}/{n}, K=8 {ends[1]}/{n} "
-                         f"(one-sided Fisher p = {stats.fisher(ends[0], n, ends[1], n):.2f})",
+    return dict(report="001", figure="real_k_fair/compare.png",
+                claim="K=8 learns more than K=2 at the same samples a step (report 001's fix; the 3-seed lab "
+                      "compared K=2/B=3, a quarter of the samples, and could not decide: p = 0.30)",
+                measured=f"held-out best at the end (64 samples each): K=2/B=12 {compare.spread(k2)}, K=8/B=3 "
+                         f"{compare.spread(k8)}, difference {mean(k8) - mean(k2):+.3f}, one-sided permutation "
+                         f"p = {p:.3f} over {len(k8)} seeds an arm; {at_warm_start(runs)}",
                 verdict=stats.decide(p))
+
+
+def real_entropy_held(lab: RealLab, log=print) -> dict:
+    """Adaptive entropy against real_k_fair's K=8/B=3 runs: fewer end on one answer? (2025-26 methods)"""
+    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log),
+            "adaptive entropy": lab.runs("real_entropy_held", "adaptive entropy", log)}
+    write_table(lab, "real_entropy_held", runs, POWERED_COLUMNS)
+    base, held = (sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for rs in runs.values())
+    n = len(runs["K=8, B=3"])
+    # rule (written before the first run): fewer runs end on one answer (eval_one_answer_end >=
+    # COLLAPSED of the 64 held-out samples) with adaptive entropy (--entropy-target 0.2) than in
+    # the K=8/B=3 baseline: one-sided Fisher exact test, 10 runs an arm, alpha 0.05:
+    # "reproduced" if p < 0.05, else "inconclusive". 10 runs an arm detect 50% against 0% with
+    # power 0.8; the pilot's 33% against 0% needs 19 (lab.stats).
+    p = stats.fisher(base, n, held, len(runs["adaptive entropy"]))
+    return dict(report="2025-26 methods", figure="real_entropy_held/compare.png",
+                claim="adaptive entropy control keeps GRPO off the collapse onto one answer (the 3-seed lab: 0/3 "
+                      "against 1/3, Fisher p = 0.5)",
+                measured=f"runs ending on one answer: K=8/B=3 {base}/{n}, with adaptive entropy {held}/"
+                         f"{len(runs['adaptive entropy'])}, one-sided Fisher p = {p:.3f}; held-out best at the end "
+                         + ", ".join(f"{label} {spread(rs, 'eval_best_rate_end')}" for label, rs in runs.items())
+                         + f"; {at_warm_start(runs)}",
+                verdict=stats.decide(p))
+
+
+POWERED_COLUMNS = [("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),
+                   ("one answer (end)", "eval_one_answer_end"), ("crash rate", "crash_rate"),
+                   ("crash floor", "crash_floor")]
+
+
+def at_warm_start(runs: dict) -> str:
+    """The null's values: every run's step-0 evaluation, the warm start before any update."""
+    rs = [r for group in runs.values() for r in group]
+    return (f"at the warm start (a frozen policy): held-out best {compare.spread([at_start(r, 'eval_best_rate') for r in rs])}, "
+            f"one answer {compare.spread([at_start(r, 'eval_one_answer') for r in rs])}")
 
 
 # ---- report 000: sparse against shaped reward for tool calls ----
@@ -411,5 +443,5 @@ def real_monitor(lab: RealLab, log=print) -> dict:
                 verdict=verdict)
 
 
-EXPERIMENTS = {"real_group_size": real_group_size, "real_k_power": real_k_power, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
+EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
                "real_monitor": real_monitor}

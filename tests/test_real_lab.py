@@ -137,17 +137,28 @@ def test_every_committed_smollm2_run_is_kept_by_todays_lab(monkeypatch):
     assert real.estimate(committed, [name for name in real.SETTINGS if name in done]) == (0, 0.0)
 
 
-def test_the_powered_k_comparison_reads_its_registered_test_from_its_runs(lab, monkeypatch):
-    """real_k_power's verdict is the one-sided permutation test of its runs' held-out best at
-    the end (K=8 above K=2), recomputed here from each run's summary.json; its seeds are its own
-    (POWERED), not the lab's."""
-    monkeypatch.setattr(real, "SETTINGS", {"real_k_power": {"K=2, B=3": "--k 2 --batch 3 --steps 3",
-                                                            "K=8, B=3": "--k 8 --batch 3 --steps 3"}})
-    monkeypatch.setattr(real, "POWERED", {"real_k_power": 3})
-    assert lab.seeds == 2 and real.estimate(lab, ["real_k_power"])[0] == 6
-    entry = real.real_k_power(lab, log=lambda s: None)
-    end = {label: [json.loads((lab.out("real_k_power", label, s) / "summary.json").read_text())["eval_best_rate_end"]
-                   for s in range(3)] for label in ("K=2, B=3", "K=8, B=3")}
-    p = stats.permutation(end["K=8, B=3"], end["K=2, B=3"])
-    assert f"one-sided permutation p = {p:.3f} over 3 seeds an arm" in entry["measured"]
-    assert entry["verdict"] == ("reproduced" if p < 0.05 else "inconclusive")
+def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab, monkeypatch):
+    """real_k_fair's verdict is the one-sided permutation test of its runs' held-out best at the
+    end (K=8 above K=2), real_entropy_held's Fisher's test of runs ending on one answer against
+    real_k_fair's K=8 runs (the same runs, not run twice), each recomputed here from the runs'
+    summary.json; their seeds are their own (POWERED), not the lab's."""
+    monkeypatch.setattr(real, "SETTINGS", {"real_k_fair": {"K=2, B=12": "--k 2 --batch 12 --steps 3",
+                                                           "K=8, B=3": "--k 8 --batch 3 --steps 3"},
+                                           "real_entropy_held": {"adaptive entropy": "--k 8 --batch 3 --steps 3 "
+                                                                                     "--entropy-target 0.2"}})
+    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3})
+    assert lab.seeds == 2 and real.estimate(lab, ["real_k_fair", "real_entropy_held"])[0] == 9
+    fair = real.real_k_fair(lab, log=lambda s: None)
+    held = real.real_entropy_held(lab, log=lambda s: None)
+    assert len(lab.calls) == 9                                    # the K=8 runs served both
+    end = {label: [json.loads((lab.out(name, label, s) / "summary.json").read_text()) for s in range(3)]
+           for name, label in (("real_k_fair", "K=2, B=12"), ("real_k_fair", "K=8, B=3"),
+                               ("real_entropy_held", "adaptive entropy"))}
+    best = {label: [r["eval_best_rate_end"] for r in rs] for label, rs in end.items()}
+    p = stats.permutation(best["K=8, B=3"], best["K=2, B=12"])
+    assert f"one-sided permutation p = {p:.3f} over 3 seeds an arm" in fair["measured"]
+    assert fair["verdict"] == ("reproduced" if p < 0.05 else "inconclusive")
+    one = {label: sum(r["eval_one_answer_end"] >= real.COLLAPSED for r in rs) for label, rs in end.items()}
+    q = stats.fisher(one["K=8, B=3"], 3, one["adaptive entropy"], 3)
+    assert f"one-sided Fisher p = {q:.3f}" in held["measured"]
+    assert held["verdict"] == ("reproduced" if q < 0.05 else "inconclusive")
