@@ -1,5 +1,6 @@
 """What every experiment of the lab shares: where it writes, how it shrinks for --quick or scales
 for a real model, and a few means."""
+import gzip
 import re
 import statistics
 from pathlib import Path
@@ -68,7 +69,18 @@ class Lab:
                                        title=f"{name}: {len(seeds)} seeds; common: {common}",
                                        log=lambda s: print(f"  {name}: {s}", flush=True), overwrite=True,
                                        launch=compare.Launch(self.jobs))
+        for runs in results.values():
+            for run in runs:
+                keep(Path(run["out"]))
         return {key: runs for key, runs in zip(settings, results.values())}
+
+
+def keep(run: Path) -> None:
+    """run/metrics.jsonl as run/metrics.jsonl.gz, the per-step record committed with the lab's
+    results (.gitignore keeps it, config.json and summary.json of each run, and nothing else):
+    every number of an entry can be recomputed from it. Byte for byte the same for the same
+    file (no timestamp in the gzip header)."""
+    (run / "metrics.jsonl.gz").write_bytes(gzip.compress((run / "metrics.jsonl").read_bytes(), mtime=0))
 
 
 def mean(xs) -> float:

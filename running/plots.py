@@ -6,6 +6,7 @@ The lab's own figures (comparisons, the K=2 advantages, bars) are in lab/compare
 lab/figures.py.
 """
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -15,8 +16,11 @@ matplotlib.use("Agg")  # no screen needed
 import matplotlib.pyplot as plt
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    with open(Path(run_dir) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """A run's metrics.jsonl rows; from metrics.jsonl.gz where only that is kept (the lab's
+    committed toy runs: lab.common.keep)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    text = path.read_text() if path.exists() else gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def made_by(cfg: dict) -> str:

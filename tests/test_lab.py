@@ -294,3 +294,42 @@ def test_the_committed_summary_is_what_the_lab_writes_from_its_files():
             f"p = {stats.permutation(k8, k2):.3f};") in group_norm
     assert "K=2/B=3 5/6, K=8/B=3 0/6, one-sided Fisher p = 0.0076" in group_norm       # 6 / C(12, 5) = 6/792
     assert "Tested after the runs" not in lab.summary_md(lab.read_summary(results))    # no folder, no runs to test
+
+
+def test_the_per_step_numbers_of_committed_toy_entries_are_recomputed_from_their_kept_runs():
+    """critic's and kl_range's per-step figures in results/summary.json, recomputed from each
+    run's committed metrics.jsonl.gz (lab.common.keep) with a plain loop: kl_range's lowest beta
+    under 0.01/0.1 (every step after the first) and the held-out reward lost after each setting's
+    best evaluation; critic's median explained variance over the first half of each run."""
+    import gzip
+    import math
+    results = Path(__file__).parent.parent / "results"
+    entry = json.loads((results / "summary.json").read_text())
+
+    def rows(run):
+        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+        return [json.loads(line) for line in text.splitlines()]
+    kl = json.loads((results / "kl_range" / "summaries.json").read_text())
+    low = list(kl)[0]
+    assert "--kl-target-min 0.01" in low
+    lowest = min(row["kl_coef"] for run in kl[low] for row in rows(run)[1:])
+    assert f"lowest beta reached with 0.01/0.1: {lowest:.3g};" in entry["kl_range"]["measured"]
+    lost = []
+    for runs in kl.values():
+        gaps = []
+        for run in runs:
+            evals = [row["eval_reward_mean"] for row in rows(run) if "eval_reward_mean" in row]
+            gaps.append(max(evals) - evals[-1])
+        lost.append(f"{sum(gaps) / len(gaps):.2f}")
+    assert "(early stopping's gain): " + ", ".join(lost) in entry["kl_range"]["measured"]
+    critic = json.loads((results / "critic" / "summaries.json").read_text())
+    for label, setting in (("shared", "--critic shared"), ("separate", "--critic separate")):
+        medians = []
+        for run in critic[setting]:
+            steps = rows(run)[1:]
+            xs = sorted(row["explained_variance"] for row in steps[:len(steps) // 2]
+                        if row.get("explained_variance") is not None and math.isfinite(row["explained_variance"]))
+            mid = len(xs) // 2
+            medians.append(xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2)
+        assert f"{label} [" + ", ".join(f"{x:.2f}" for x in medians) + "]; " in \
+            entry["critic"]["measured"].split("first half of the run: ")[1]
