@@ -96,7 +96,8 @@ def optimizer_step(optimizer, max_grad_norm: float, loss: float) -> tuple[float,
     """Clip the gradient norm of each parameter group (the policy's; PPO's critic's, at its
     own lr, is clipped on its own) and step, unless the loss or a norm is NaN/inf: then the
     step is skipped, weights and optimizer state untouched. Returns (the first group's norm
-    before clipping, the names of the non-finite quantities)."""
+    before clipping, the names of the non-finite quantities). Under AdamW the clip acts only on
+    a step whose norm spikes above the others': Adam divides out a scale every step shares."""
     norms = [torch.nn.utils.clip_grad_norm_(g["params"], max_grad_norm).item() for g in optimizer.param_groups]
     nonfinite = [name for name, v in (("loss", loss), ("grad_norm", norms[0])) if not math.isfinite(v)]
     nonfinite += ["critic_grad_norm"] * any(not math.isfinite(v) for v in norms[1:])

@@ -184,3 +184,42 @@ def test_policy_shift_is_the_k3_the_update_made_where_one_epochs_approx_kl_is_ze
              batch.completion_mask.tolist()) for n, o, m in zip(row_n, row_o, row_m) if m]
     shift = update.policy_shift(logprobs.Scorer(model), batch, hp)
     assert shift > 0 and shift == pytest.approx(sum(terms) / len(terms), rel=1e-4)
+
+
+@pytest.mark.lesson
+def test_adam_undoes_a_clip_that_scales_every_step_alike_and_feels_only_a_spike():
+    """Why report 002's clipping table did not reproduce under AdamW (the lab's grad_clip):
+    Adam divides the first moment by the root of the second, so gradients scaled by c on every
+    step give the same steps (to eps); SGD's steps scale by c. Hand arithmetic of Adam's first
+    step: m = (1 - b1) g, v = (1 - b2) g^2, bias-corrected g and g^2, so the step is
+    lr * g / (|g| + eps), about lr * sign(g) whatever |g|. A clip acts on Adam only where one
+    step's norm spikes above the others': update.optimizer_step's max_grad_norm then changes
+    the trajectory."""
+    torch.manual_seed(0)
+    grads = [2 * g / g.norm() for g in torch.randn(6, 5)]          # six directions, each of norm 2
+
+    def trajectory(opt_cls, scale, max_norm=math.inf, spike_at=None, **kw):
+        w = torch.nn.Parameter(torch.zeros(5))
+        opt = opt_cls([w], lr=0.1, **kw)
+        for t, g in enumerate(grads):
+            w.grad = g * scale * (100.0 if t == spike_at else 1.0)
+            update.optimizer_step(opt, max_norm, 0.0)
+        return w.detach().clone()
+
+    adam = dict(weight_decay=0.0, eps=1e-8)
+    one = torch.nn.Parameter(torch.zeros(5))
+    first = torch.optim.AdamW([one], lr=0.1, **adam)
+    one.grad = 1e-3 * grads[0]
+    first.step()
+    assert torch.allclose(one.detach(), -0.1 * grads[0] / (grads[0].abs() + 1e-8 / 1e-3), rtol=1e-5)   # lr * sign(g)
+    assert torch.allclose(trajectory(torch.optim.AdamW, 1e-3, **adam), trajectory(torch.optim.AdamW, 1.0, **adam),
+                          rtol=1e-4, atol=1e-6)                                       # scale undone
+    assert torch.allclose(trajectory(torch.optim.SGD, 1e-3), 1e-3 * trajectory(torch.optim.SGD, 1.0), rtol=1e-5)
+    # a clip at 1 on gradients of norm 2: every step halved alike, and Adam's steps do not move
+    unclipped, clipped = trajectory(torch.optim.AdamW, 1.0, **adam), trajectory(torch.optim.AdamW, 1.0, 1.0, **adam)
+    assert torch.allclose(clipped, unclipped, rtol=1e-5, atol=1e-6)
+    # one step 100x the others: unclipped, it fills Adam's second moment and shrinks every later
+    # step; clipped to norm 1 like the rest, it does not. Here the clip changes the weights by
+    # about the size of a step (lr 0.1)
+    spiked, spiked_clipped = (trajectory(torch.optim.AdamW, 1.0, m, spike_at=2, **adam) for m in (math.inf, 1.0))
+    assert (spiked - spiked_clipped).abs().max() > 0.05
