@@ -333,6 +333,34 @@ def at_warm_start(runs: dict) -> str:
             f"one answer {compare.spread([at_start(r, 'eval_one_answer') for r in rs])}")
 
 
+def one_answer_census(root: Path) -> dict:
+    """Lesson 10's counts over root's DSL runs: how many end with one text for every logged
+    held-out sample, whose best workflow that text is, at which evaluation it first happened,
+    their last five steps' share of groups with one reward and token entropy, and how many end
+    at held-out best 0.25 without being quite one text."""
+    from tasks import workflow_task
+    owner = {text: ptype for ptype, text in workflow_task.BEST_WORKFLOW.items()}
+    out = {"runs": 0, "one_text": 0, "by_type": {}, "first_step": [], "quarter_not_one": 0, "zero_std": [],
+           "entropy": []}
+    for summary in sorted(root.glob("*/runs/*/s*/summary.json")):
+        if json.loads((summary.parent / "config.json").read_text())["task"] != "dsl":
+            continue
+        rows = [json.loads(line) for line in (summary.parent / "samples.jsonl").read_text().splitlines()]
+        evals = [(r["step"], {x["text"] for x in r["samples"]}) for r in rows if r["split"] == "eval"]
+        out["runs"] += 1
+        if len(evals[-1][1]) == 1:
+            out["one_text"] += 1
+            kind = owner.get(next(iter(evals[-1][1])), "none")
+            out["by_type"][kind] = out["by_type"].get(kind, 0) + 1
+            out["first_step"].append(next(step for step, texts in evals if len(texts) == 1))
+            last = plots.read_metrics(summary.parent)[-5:]          # its last five steps
+            out["zero_std"].append(mean(r.get("frac_reward_zero_std") for r in last))
+            out["entropy"].append(mean(r.get("entropy") for r in last))
+        elif json.loads(summary.read_text())["eval_best_rate_end"] == 0.25:
+            out["quarter_not_one"] += 1
+    return out
+
+
 # ---- report 000: sparse against shaped reward for tool calls ----
 
 def real_tools(lab: RealLab, log=print) -> dict:

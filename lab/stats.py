@@ -229,6 +229,13 @@ def main() -> None:
     print(f"  runs ending on one answer (eval_one_answer_end >= {COLLAPSED}): K=8/B=3 {on_one['K=8,_B=3']}/3, with "
           f"adaptive entropy {on_one['adaptive_entropy']}/3; one-sided Fisher p = "
           f"{fisher(on_one['K=8,_B=3'], 3, on_one['adaptive_entropy'], 3):.2f}")
+    from lab.real import one_answer_census
+    c = one_answer_census(REAL)
+    print(f"  SmolLM2 DSL runs ending with one text for every logged held-out sample (Lesson 10): "
+          f"{c['one_text']} of {c['runs']}, by whose best workflow it is {c['by_type']}; first so at steps "
+          f"{sorted(c['first_step'])}; over their last five steps, groups with one reward (median) "
+          f"{statistics.median(c['zero_std']):.2f} and token entropy (median) {statistics.median(c['entropy']):.4f}; "
+          f"{c['quarter_not_one']} more end at held-out best 0.25 with two texts")
     print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
     print("how often a setting ends collapsed (Fisher's exact test)")
     for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3)):
