@@ -1,9 +1,9 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all eighteen experiments, 6 seeds per setting (20 for the
+    python -m lab                        # all nineteen experiments, 6 seeds per setting (20 for the
                                          # collapse experiments; docs/lab-notebook.md: its time)
     python -m lab group_norm tools       # some of them
-    python -m lab --quick                # all eighteen, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python -m lab --quick                # all nineteen, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
     python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
                                          # into results/smollm2-135m; stop it and run it again to continue
@@ -29,7 +29,7 @@ from running import config
 from models import pretrained
 from running import checks
 from lab.common import Lab
-from lab.report000 import critic, curriculum, tools
+from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
@@ -41,7 +41,7 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "probe_001": probe_001, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
-               "curriculum": curriculum, "entropy": entropy,
+               "curriculum": curriculum, "tools_ppo": tools_ppo, "entropy": entropy,
                "monitor": monitor_warning,
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
                "entropy_collapse_epochs": entropy_collapse_epochs, "mismatch": mismatch}
