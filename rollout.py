@@ -13,6 +13,7 @@ environment's replies alternate after the prompt. A token the environment insert
 `<tool_response>`) is attended to (completion_attn) but never trained on (completion_mask 0):
 the policy did not choose it. `sampling` below is a tasks.Sampling.
 """
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +37,8 @@ class Knobs:
 
 @dataclass
 class Models:
-    """The networks a rollout uses: the policy and its tokenizer; the frozen reference (with
-    a KL term), PPO's critic (ppo.ValueHead or ppo.Critic) and a sampler that is not the policy
-    (mismatch.RolloutPolicy), or None."""
+    """The policy and its tokenizer; the frozen reference (with a KL term), PPO's critic and a
+    sampler that is not the policy (mismatch.RolloutPolicy), or None."""
     model: nn.Module
     tok: object
     ref: nn.Module | None = None
@@ -48,8 +48,7 @@ class Models:
 
 @dataclass
 class Rows:
-    """Some rows of a Rollout, for one forward (a micro-batch); every (n, C) tensor cut to the
-    same columns. Fields as in Rollout; advantages (n,) or (n, C)."""
+    """Some rows of a Rollout for one forward, every (n, C) tensor cut to the same columns."""
     tokens: Tokens
     mask: torch.Tensor
     old_logp: torch.Tensor | None
@@ -83,8 +82,7 @@ class Rollout:
 
     def attention(self, idx=slice(None)) -> torch.Tensor:
         """(n, C) attention mask of the completion: every real token, policy's or not."""
-        attn = self.completion_mask if self.completion_attn is None else self.completion_attn
-        return attn[idx]
+        return (self.completion_mask if self.completion_attn is None else self.completion_attn)[idx]
 
     def sequence_advantages(self) -> torch.Tensor:
         """(N,) one advantage per rollout: GRPO's A_i, or PPO's mean over the rollout's policy tokens."""
@@ -125,6 +123,22 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
     return (eos_before == 0).long()                                 # (N, C)
 
 
+# ---- the prompt the model sees ----
+
+def natural(text: str) -> str:
+    """A task's word-level text as a person writes it: 'Problem ( code ) .' -> 'Problem (code).'"""
+    return re.sub(r"\( ", "(", re.sub(r" ([).,:;?!])", r"\1", text))
+
+
+def format_prompt(tok, text: str, system: str) -> str:
+    """With a chat template (a real instruct model): the task's system prompt, then the text in
+    natural spelling as the user's message. The tiny model's word-level tokenizer: the text."""
+    if not getattr(tok, "chat_template", None):
+        return text
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": natural(text)}]
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 # ---- sampling from exactly the distribution we score ----
 
 def plain_sampling(tok, temperature: float, max_new_tokens: int, **extra) -> GenerationConfig:
@@ -145,14 +159,12 @@ def plain_sampling(tok, temperature: float, max_new_tokens: int, **extra) -> Gen
 
 
 class NonFiniteLogits(RuntimeError):
-    """The policy's logits hold NaN/inf, so nothing can be sampled: train.py counts the step
-    as a non-finite one (skipped, and stopped by --max-skips), never a crash."""
+    """NaN/inf logits: nothing can be sampled; train.py counts a non-finite step, never a crash."""
 
 
 class FiniteGuard(LogitsProcessor):
-    """NaN/+inf logits noted (on the device: no sync per token) and sampled from as 0: on a GPU,
-    torch.multinomial fails a device-side assert on them, which leaves the CUDA context unusable
-    (on a CPU it raises). Finite logits pass unchanged."""
+    """Notes NaN/+inf logits (on the device: no sync per token) and samples them as 0: on a GPU
+    torch.multinomial's device-side assert on them kills the CUDA context. Finite logits pass."""
 
     def __init__(self):
         self.flags = []
@@ -193,9 +205,7 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     device = next(model.parameters()).device
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
               pad_to_multiple_of=64 if sampling.static_cache else None).to(device)
-    model.eval()
-    # Pure sampling from softmax(logits / temperature), so the log-probs below are those of
-    # the distribution the samples came from. generate stops once every sequence sampled EOS.
+    model.eval()                    # generate stops once every sequence sampled EOS
     record = dict(output_scores=True, return_dict_in_generate=True) if sampling.rollout_logprobs else {}
     gen = plain_sampling(tok, sampling.rollout_temperature or sampling.temperature, sampling.max_new_tokens,
                          eos_token_id=tok.eos_token_id, **record,

@@ -99,7 +99,7 @@ def held_out(tok) -> dict:
     teacher-forced rows (policy.sft_rows) with the fallback, the best and the commonest valid
     workflow that is not best, each with its EOS."""
     prompts = task.make_prompts("eval")
-    texts = [policy.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts]
+    texts = [rollout.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts]
     out = {"prompts": logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
                                         tok.pad_token_id, None),
            "first": tok(task.FALLBACK_TEXTS[0], add_special_tokens=False)["input_ids"][0]}
@@ -141,7 +141,7 @@ def probe_batch(model, tok, condition: str, rng: random.Random, pool: list) -> t
         groups = [[prompts[0]["best"]] * 2, [prompts[1]["best"], other_valid(prompts[1]["type"], rng)],
                   [other_valid(prompts[2]["type"], rng) for _ in range(2)]]
     k = len(groups[0])
-    texts = [policy.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts for _ in range(k)]
+    texts = [rollout.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts for _ in range(k)]
     done = [c for g in groups for c in g]
     p_ids, p_mask = logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
                                       tok.pad_token_id, model.device)

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -34,6 +33,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import logprobs
+import rollout
 from models.pretrained import ModelError, set_aside
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -101,7 +101,7 @@ def sft_rows(task, tok, examples: list):
         row, label = [], []
         for i, (text, trained) in enumerate(segments):
             # The prompt exactly as rollouts show it (chat template included, if any).
-            text = format_prompt(tok, text, task.SYSTEM_PROMPT) if i == 0 else text
+            text = rollout.format_prompt(tok, text, task.SYSTEM_PROMPT) if i == 0 else text
             ids = tok(text, add_special_tokens=False)["input_ids"]
             row += ids
             label += ids if trained else [-100] * len(ids)
@@ -334,22 +334,6 @@ def disable_dropout(model) -> int:
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
             setattr(model.config, name, 0.0)
     return on
-
-
-def natural(text: str) -> str:
-    """A task's word-level text as a person writes it: no space before punctuation or after an
-    opening parenthesis ('Problem ( code ) : fix a bug .' -> 'Problem (code): fix a bug.')."""
-    return re.sub(r"\( ", "(", re.sub(r" ([).,:;?!])", r"\1", text))
-
-
-def format_prompt(tok, text: str, system: str) -> str:
-    """The prompt as the model sees it: for a tokenizer with a chat template (a real instruct
-    model), the text in natural spelling as the user's message after the task's system
-    prompt; for the tiny word-level tokenizer, the text as it is."""
-    if getattr(tok, "chat_template", None):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": natural(text)}]
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text
 
 
 # ---- bf16 autocast: only where it is faster ----

@@ -21,7 +21,6 @@ import random
 
 import torch
 
-from models import policy
 import rewards
 import rollout
 # MAX_DIFFICULTY (tasks.Task): --difficulty's largest, the benchmarks an episode may ask about
@@ -195,7 +194,7 @@ def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True
         for _ in range(k):
             envs.append(ToolEnv(max_turns=sampling.max_turns))
             envs[-1].reset(seed=p["seed"], difficulty=p["difficulty"])
-    texts = [policy.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
+    texts = [rollout.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
     batch, infos, turns = rollout.sample_episodes(models, texts, envs, k, sampling, record_old_logp)
     batch.rewards = torch.tensor([episode_reward(e, t, sampling) for e, t in zip(infos, turns)])  # (N,)
     return batch, list(zip(infos, turns))

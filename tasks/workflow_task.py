@@ -21,7 +21,6 @@ import random
 
 import torch
 
-from models import policy
 import rollout
 import rewards
 from rewards import OPERATORS
@@ -145,7 +144,7 @@ def fingerprint(difficulty: int = 1) -> dict:
 def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True):
     """K completions per prompt, scored: (Rollout with rewards (N,), classes).
     models: rollout.Models; sampling: tasks.Sampling."""
-    texts = [policy.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
+    texts = [rollout.format_prompt(models.tok, p["text"], SYSTEM_PROMPT) for p in prompts]
     batch = rollout.sample(models, texts, k, sampling, record_old_logp)
     bests = [p["best"] for p in prompts for _ in range(k)]
     classes = [rewards.classify(t, b) for t, b in zip(batch.texts, bests)]

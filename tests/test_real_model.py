@@ -83,14 +83,14 @@ def test_the_model_sees_the_task_text_inside_the_chat_template(base):
     batch, _ = workflow_task.sample(base, [prompt], 1, tasks.Sampling(max_new_tokens=2))
     seen = base.tok.decode(batch.prompt_ids[0][batch.prompt_mask[0].bool()])
     assert seen == (f"<|im_start|>system\n{workflow_task.SYSTEM_PROMPT}<|im_end|>\n"
-                    f"<|im_start|>user\n{policy.natural(prompt['text'])}<|im_end|>\n<|im_start|>assistant\n")
-    assert policy.natural(prompt["text"]).startswith("Problem (code): ")
+                    f"<|im_start|>user\n{rollout.natural(prompt['text'])}<|im_end|>\n<|im_start|>assistant\n")
+    assert rollout.natural(prompt["text"]).startswith("Problem (code): ")
 
 
 def test_pad_is_eos_and_the_sampled_eos_stays_in_the_mask(base):
     tok = base.tok
     assert tok.pad_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
-    text = policy.format_prompt(tok, "What is the capital of France? One short sentence.", "Answer briefly.")
+    text = rollout.format_prompt(tok, "What is the capital of France? One short sentence.", "Answer briefly.")
     torch.manual_seed(0)
     batch = rollout.sample(base, [text], 4, tasks.Sampling(temperature=0.7, max_new_tokens=24))
     ended = 0

@@ -86,7 +86,7 @@ def prompts(cfg: dict, n: int, seed: int, tok=None) -> list:
         from models import policy
         from tasks import workflow_task
         chosen = rng.sample(workflow_task.prompts("train"), n)
-        return [policy.format_prompt(tok, p["text"], workflow_task.SYSTEM_PROMPT) for p in chosen]
+        return [rollout.format_prompt(tok, p["text"], workflow_task.SYSTEM_PROMPT) for p in chosen]
     return [" ".join(f"w{rng.randrange(cfg['vocab'] - 3)}" for _ in range(cfg["prompt"])) for _ in range(n)]
 
 
