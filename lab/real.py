@@ -26,6 +26,7 @@ from pathlib import Path
 from lab import compare, stats
 from lab.common import mean
 from running import config, plots
+from tasks import workflow_task
 
 SEEDS = 3
 POWERED = {"real_k_fair": 10, "real_entropy_held": 10}   # seeds per setting, by the power analysis
@@ -334,16 +335,16 @@ def at_warm_start(runs: dict) -> str:
 
 
 def one_answer_census(root: Path) -> dict:
-    """Lesson 10's counts over root's DSL runs: how many end with one text for every logged
-    held-out sample, whose best workflow that text is, at which evaluation it first happened,
-    their last five steps' share of groups with one reward and token entropy, and how many end
-    at held-out best 0.25 without being quite one text."""
-    from tasks import workflow_task
+    """Lesson 10's counts over root's DSL runs of the 3-seed experiments (the POWERED ones log 64
+    held-out samples an evaluation, not 16, and are still running): how many end with one text
+    for every logged held-out sample, whose best workflow that text is, at which evaluation it
+    first happened, their last five steps' share of groups with one reward and token entropy,
+    and how many end at held-out best 0.25 without being quite one text."""
     owner = {text: ptype for ptype, text in workflow_task.BEST_WORKFLOW.items()}
     out = {"runs": 0, "one_text": 0, "by_type": {}, "first_step": [], "quarter_not_one": 0, "zero_std": [],
            "entropy": []}
     for summary in sorted(root.glob("*/runs/*/s*/summary.json")):
-        if json.loads((summary.parent / "config.json").read_text())["task"] != "dsl":
+        if summary.parts[-5] in POWERED or json.loads((summary.parent / "config.json").read_text())["task"] != "dsl":
             continue
         rows = [json.loads(line) for line in (summary.parent / "samples.jsonl").read_text().splitlines()]
         evals = [(r["step"], {x["text"] for x in r["samples"]}) for r in rows if r["split"] == "eval"]
