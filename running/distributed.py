@@ -1,52 +1,12 @@
-"""Past one device: data-parallel training under torchrun, and where an advantage's statistics live.
+"""Past one device: data-parallel training under torchrun (Lesson 6,
+docs/lessons/6-torchrun.md, says how a step is shared out and why).
 
     torchrun --standalone --nproc_per_node 2 train.py --k 8 --norm global     # one machine, 2 processes
-    torchrun --nnodes 2 --node_rank 0 --master_addr HOST --master_port 29500 \\
-             --nproc_per_node 8 train.py --k 8 --norm global                  # node 0 of 2 (node 1: --node_rank 1)
 
-torchrun starts W processes (ranks) and gives each RANK, LOCAL_RANK and WORLD_SIZE in its
-environment; `python train.py` sets none of them, and then nothing in this file does anything:
-every helper below is the identity in one process, and no process group is ever made.
-
-How one step is shared out (train.py and running/ call the helpers below; the lessons call
-only advantages.all_sum, all_max and world_size, torch.distributed's sum, max and size):
-- Prompts go to ranks whole. Every rank draws the same B prompts (one prompt RNG, one seed)
-  and keeps its B/W (`shard`); it samples all K completions of each, with a sampling seed of
-  its own for each step (`sampling_seed`). So a prompt's group lives on one rank, and group
-  norm, Dr. GRPO, RLOO and no-baseline need no communication at all.
-- Batch statistics are summed over ranks (advantages.all_sum). global, batch and
-  reinforce++-baseline need the mean and std of the whole batch of N = B*K rewards; on rank
-  r with rows R_r:
-
-      n    = sum_r sum_{i in R_r} w_i                     w_i = 1 (or the sequence's length)
-      mean = sum_r sum_{i in R_r} w_i x_i / n             one all-reduce of (n, sum w x)
-      var  = sum_r sum_{i in R_r} w_i (x_i - mean)^2 / (n - c)      a second one; c = 1 for Bessel
-
-  Two rounds rather than one of sum x and sum x^2: sum x^2 / n - mean^2 loses digits when the
-  mean is large next to the spread, and the second round costs one scalar. Computing them per
-  rank instead would silently change the estimator with the number of GPUs (tests show it).
-- The loss divides by the whole mini-batch's count (its tokens for token-mean, its sequences
-  for the other two aggregations), summed over ranks and divided by W (update.MiniBatch).
-  DDP averages gradients over the W ranks, so each rank's loss is W times its share (verl
-  scales by its data-parallel size the same way):
-
-      (1/W) sum_r grad(L_r / (T/W)) = grad(sum_r L_r / T) = grad L,   L_r = sum of rank r's token losses
-
-- The update runs under DistributedDataParallel (`replicate`): gradients are all-reduced in
-  the backward of the last micro-batch of each mini-batch only (one line of update.py sets
-  DDP's require_backward_grad_sync, as its no_sync does); every rank holds N/W sequences cut
-  the same way, so all run the same number of backward passes. The gradient norm is the
-  all-reduced gradient's and the loss is summed over ranks before the non-finite check, so
-  every rank skips a step or none does.
-- Metrics: every rank gathers the others' rollout pieces (`gather`) and computes the step's
-  metrics on the whole batch, so beta, the monitor and every stop decision move the same way
-  on every rank. Held-out evaluation runs on rank 0 alone (the others wait at the next step's
-  first collective): its numbers are what one process gives with the same weights.
-- Only rank 0 writes: logs, samples, checkpoints, summary, plots. On a resume every rank
-  loads rank 0's newest checkpoint (several nodes need the run folder on a shared disk).
-
-Backends: gloo on CPUs, nccl on GPUs (one process per GPU), from the same code; several
-processes on one GPU (nccl refuses them) keep the model there and collect through gloo.
+torchrun gives each process RANK, LOCAL_RANK and WORLD_SIZE; `python train.py` sets none of
+them, and then every helper below is the identity and no process group is ever made. The
+lessons call only advantages.all_sum, all_max and world_size; train.py and running/ call
+the rest. Only rank 0 writes files.
 """
 import contextlib
 import datetime
