@@ -18,7 +18,7 @@ The default run is not DeepSeekMath's GRPO. It departs in four places, each a fl
 so it is the plain policy gradient with a baseline (grpo.py says what each one changes).
 
 Before the first step `reference_and_optimizer` builds the reference (a frozen copy of the
-policy RL starts from) and AdamW. One step (`rl_step`): the task (tasks/) samples K completions
+policy RL starts from) and the optimizer. One step (`rl_step`): the task (tasks/) samples K completions
 or tool-calling episodes per prompt (rollout.py, logprobs.py) and scores them (rewards.py); the
 algorithm's `prepare` makes advantages (grpo.py and advantages.py; ppo.py: per token, a critic
 and GAE; rce.py: reward weights); update.py's loop differentiates its `loss`. Around it, the loop
@@ -61,9 +61,12 @@ from models import pretrained
 def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
     """The reference: the policy RL starts from, frozen (the warm start; with --init-from the
     first stage's weights, as TRL and verl take the initial policy), kept only when beta > 0.
-    The optimizer: AdamW without weight decay, over param_groups."""
+    The optimizer: AdamW without weight decay (or plain SGD, --optimizer sgd), over param_groups."""
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
-    return ref, torch.optim.AdamW(param_groups(cfg, model, critic), lr=cfg.lr, weight_decay=0.0)
+    groups = param_groups(cfg, model, critic)
+    if cfg.optimizer == "sgd":
+        return ref, torch.optim.SGD(groups, lr=cfg.lr)
+    return ref, torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
 
 
 def param_groups(cfg: Config, model, critic) -> list:

@@ -47,6 +47,9 @@ class Knobs:
     target_kl: float = field(default=0.0, metadata={"help": "stop an update's epochs once approx_kl passes this "
                              "(CleanRL); 0 = off", "min": 0, "algos": ("grpo", "ppo"), "flag": False})
     max_grad_norm: float = field(default=1.0, metadata={"help": "clip the global gradient norm; 0 = off", "min": 0})
+    optimizer: str = field(default="adamw", metadata={"help": "adamw (no weight decay), or sgd: plain steps "
+                           "lr * g, where a gradient's scale reaches the weights and a clip bounds the step "
+                           "(under AdamW it bounds only a spike: optimizer_step)", "choices": ("adamw", "sgd")})
     fast: bool = field(default=False, metadata={"help": "the fast path: old log-probs from the update's own "
                        "forward (GRPO, one update per batch), micro-batches sorted by length and cut to their "
                        "longest sequence"})

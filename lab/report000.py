@@ -183,4 +183,4 @@ def tools_ppo(lab: Lab) -> dict:
                          f"p = {p['degenerates']:.3f}); accuracy {row('eval_accuracy_end')} (shaped above sparse: "
                          f"p = {p['fixes']:.3f}); updates per run: "
                          + "; ".join(f"{label} {get(rs, 'updates')}" for label, rs in runs.items()),
-                verdict="reproduced" if len(held) == 3 else f"partly: {'; '.join(held)}" if held else "not reproduced")
+                verdict="reproduced" if len(held) == len(holds) else f"partly: {'; '.join(held)}" if held else "not reproduced")

@@ -55,7 +55,7 @@ class Run:
                     "reward-weighted cross-entropy: rce.py)", choices=("grpo", "ppo", "rce"))
     batch: int = opt(8, "prompts per step (B); N = B*K sequences per step", min=1, max=4096)
     steps: int = opt(150, "training steps (one batch of rollouts each)", min=1)
-    lr: float = opt(0.0, "AdamW learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
+    lr: float = opt(0.0, "learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
                     "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)", min=0)
     # evaluation and output
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps", min=1)
@@ -90,7 +90,8 @@ class Run:
     bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU for a real model where "
                     "bf16 is measured faster", choices=("auto", "on", "off"))
     no_shared_prefix: bool = opt(False, "encode a group's prompt once per sequence, as a plain forward does, "
-                                 "not once per group (shared_prefix.py: the same numbers, for comparison)")
+                                 "not once per group (shared_prefix.py: the same numbers; the tests compare "
+                                 "the two)", flag=False)
     model: str = opt("", "a real model: smollm2-135m (fetched once), a local Hugging Face folder, or a hub id; "
                      "default: the tiny model built in code")
     hidden: int = opt(64, "tiny model: hidden size", max=8192)

@@ -223,3 +223,27 @@ def test_adam_undoes_a_clip_that_scales_every_step_alike_and_feels_only_a_spike(
     # about the size of a step (lr 0.1)
     spiked, spiked_clipped = (trajectory(torch.optim.AdamW, 1.0, m, spike_at=2, **adam) for m in (math.inf, 1.0))
     assert (spiked - spiked_clipped).abs().max() > 0.05
+
+
+def test_optimizer_sgd_is_plain_steps_whose_size_the_clip_bounds(tmp_path):
+    """--optimizer sgd (report 002's clipping regime): train.py builds torch's SGD at --lr with no
+    momentum, and one step moves the weights by exactly lr * g * min(1, c / |g|), so the clip
+    bounds every step's size; a run with it trains, and its checkpoint holds SGD's state."""
+    from running import config
+    import train
+    cfg = config.parse_config(["--optimizer", "sgd", "--lr", "0.1", "--out", str(tmp_path / "unused")])
+    w = torch.nn.Parameter(torch.zeros(5))
+    _, opt = train.reference_and_optimizer(cfg, torch.nn.Linear(1, 1), None)
+    assert type(opt) is torch.optim.SGD and opt.defaults["lr"] == 0.1 and opt.defaults["momentum"] == 0
+    opt = torch.optim.SGD([w], **opt.defaults)
+    g = torch.tensor([3.0, 4.0, 0.0, 0.0, 0.0])                       # norm 5
+    w.grad = g.clone()
+    norm, bad = update.optimizer_step(opt, 1.0, 0.0)
+    assert norm == pytest.approx(5.0) and not bad
+    assert torch.allclose(w.detach(), -0.1 * g / 5, atol=1e-7)        # a step of norm lr * 1
+    from conftest import quick
+    train.train(config.parse_config(quick(tmp_path, "sgd", "--optimizer", "sgd", "--lr", "0.05", "--steps", "2",
+                                          "--save-every", "2")))
+    state = torch.load(tmp_path / "sgd" / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=True)
+    group = state["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.05 and "momentum" in group and "betas" not in group

@@ -21,6 +21,7 @@ missed the old files by 1e-5 in grad_norm in four of six runs).
 A sampled token that flips, or any change in what is learned, shows as a difference orders
 of magnitude larger than 1e-5 on one machine.
 """
+import dataclasses
 import json
 import math
 import sys
@@ -40,10 +41,10 @@ RUNS = {
     "kl_entropy_fast": "--beta 0.05 --entropy-coef 0.01 --fast",
     "ppo_kl_in_loss": "--algo ppo --beta 0.05 --kl-in loss --mini-batch 16 --epochs 2 --loss-agg constant",
 }
-# --no-shared-prefix: the files were recorded before shared_prefix.py, whose forward sums in
+# no_shared_prefix: the files were recorded before shared_prefix.py, whose forward sums in
 # another order (~1e-6 relative per log-prob, then Adam's amplification); tests/test_shared_prefix.py
 # shows that path gives these runs' numbers to 1e-4 over 20 steps.
-COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet --no-shared-prefix --device cpu"  # recorded on a CPU
+COMMON = "--steps 3 --batch 4 --seed 3 --sft-steps 30 --eval-samples 1 --quiet --device cpu"  # recorded on a CPU
 # The one change the redesign made on purpose: PPO's update now shares GRPO's policy terms,
 # so with a reference it reports ref_kl, as ppo.update's docstring had claimed all along.
 ADDED = {"ppo_kl_in_loss": {"ref_kl"}}
@@ -65,7 +66,7 @@ def run(name: str, tmp: Path) -> list[dict]:
     import train
     flags = f"{COMMON} {RUNS[name]}".split()
     argv = flags + ["--cache-dir", str(WARM_STARTS), "--out", str(tmp / name)]
-    train.train(config.parse_config(argv))
+    train.train(dataclasses.replace(config.parse_config(argv), no_shared_prefix=True))
     rows = [json.loads(line) for line in open(tmp / name / "metrics.jsonl")]
     for row in rows:
         row.pop("seconds", None)

@@ -5,6 +5,7 @@ cache cannot be shared runs the plain forward and says so.
 
 On SmolLM2 itself: tests/test_real_model.py (test_the_shared_prefix_forward_is_exact_on_smollm2).
 """
+import dataclasses
 import json
 
 import pytest
@@ -194,8 +195,14 @@ def test_a_model_whose_cache_cannot_be_shared_is_found_and_runs_plain(tmp_path, 
     train.train(config.parse_config(argv))
     err = capsys.readouterr().err
     assert err.count("shared prefix: off") == 1 and "cannot be shared over rows" in err
-    train.train(config.parse_config(quick(tmp_path, "plain", "--seed", "2", "--no-shared-prefix")))
+    train.train(plain_forward(config.parse_config(quick(tmp_path, "plain", "--seed", "2"))))
     assert metrics(tmp_path / "broken") == metrics(tmp_path / "plain"), "the plain forward, number for number"
+
+
+def plain_forward(cfg):
+    """cfg with the plain forward: every sequence encodes its own prompt (no_shared_prefix, a
+    field Python sets, not a flag)."""
+    return dataclasses.replace(cfg, no_shared_prefix=True)
 
 
 def metrics(path):
@@ -210,7 +217,7 @@ def test_twenty_grpo_steps_shared_give_the_plain_runs_metrics(tmp_path):
     import train
     flags = ["--steps", "20", "--eval-every", "10", "--device", "cpu"]          # float32 (on a GPU: bf16)
     train.train(config.parse_config(quick(tmp_path, "shared", *flags)))
-    train.train(config.parse_config(quick(tmp_path, "plain", *flags, "--no-shared-prefix")))
+    train.train(plain_forward(config.parse_config(quick(tmp_path, "plain", *flags))))
     shared, plain = metrics(tmp_path / "shared"), metrics(tmp_path / "plain")
     assert len(shared) == len(plain) == 21
     for a, b in zip(shared, plain):
