@@ -1,9 +1,9 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all nineteen experiments, 6 seeds per setting (20 for the
+    python -m lab                        # all twenty experiments, 6 seeds per setting (20 for the
                                          # collapse experiments; docs/lab-notebook.md: its time)
     python -m lab group_norm tools       # some of them
-    python -m lab --quick                # all nineteen, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python -m lab --quick                # all twenty, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
     python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
                                          # into results/smollm2-135m; stop it and run it again to continue
@@ -32,14 +32,14 @@ from lab.common import Lab
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
-from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, monitor_warning
+from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime, monitor_warning
 from lab.report003 import kl_range, rce_grpo
 from lab import real, real_collapse, stats
 from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
                "probe_001": probe_001, "critic": critic,
-               "batch_size": batch_size, "grad_clip": grad_clip,
+               "batch_size": batch_size, "grad_clip": grad_clip, "grad_clip_regime": grad_clip_regime,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
                "curriculum": curriculum, "tools_ppo": tools_ppo, "entropy": entropy,
                "monitor": monitor_warning,
