@@ -30,6 +30,7 @@ import io
 import json
 import multiprocessing
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -264,6 +265,24 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
+METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+
+def is_metric(key: str) -> bool:
+    """Whether key is a metrics.jsonl key docs/metrics.md documents (eval_<rate>, failure/<kind>
+    and sampling/* as families): what `lab.compare --metrics` accepts."""
+    names = set()
+    for line in METRICS_PAGE.read_text().split("summary.json (`finish`)")[0].splitlines():
+        named = re.match(r"^    (\S.*?)(\s{2,}|$)", line)          # the left column of the list above
+        names.update(n for n in re.split(r",\s*", named.group(1)) if n) if named else None
+    if key in names:
+        return True
+    if key.startswith("eval_"):                                     # eval_<rate>: a rate above, held out
+        return is_metric(key[len("eval_"):])
+    families = [n.split("<")[0].rstrip("*") for n in names if "<" in n or n.endswith("*")]
+    return any(key.startswith(f) and key != f for f in families if f != "eval_")
+
+
 
 def main(argv=None):
     p = config.OneLineParser(prog="python -m lab.compare", description=__doc__,
@@ -289,7 +308,7 @@ def main(argv=None):
     if args.nproc < 1:
         p.error(f"--nproc must be >= 1, got {args.nproc}")
 
-    unknown = [m for m in args.metrics.split(",") if not report.is_metric(m)]
+    unknown = [m for m in args.metrics.split(",") if not is_metric(m)]
     if unknown:
         p.error(f"--metrics: {unknown[0]!r} is not a metrics.jsonl key (docs/metrics.md lists them)")
     if args.model:

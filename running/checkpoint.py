@@ -134,17 +134,6 @@ class JsonlLog:
         os.close(self.fd)
 
 
-class NoLog:
-    """What a rank other than rank 0 writes its logs to under torchrun: nothing."""
-    lost, full = 0, False
-
-    def write(self, row: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def last_step(path: Path) -> int:
     """The step of the last line of a log (after truncate_log: every line whole), -1 if none."""
     lines = path.read_text().splitlines() if path.exists() else []

@@ -1,12 +1,10 @@
 """What a run reports besides each step's metrics (diagnostics.py): samples.jsonl, the progress
 line, summary.json and its curves, and TensorBoard when asked.
 
-Every key of metrics.jsonl and summary.json, with its formula: docs/metrics.md (is_metric reads
-its list).
+Every key of metrics.jsonl and summary.json, with its formula: docs/metrics.md.
 """
 import json
 import math
-import re
 import resource
 import statistics
 import sys
@@ -156,20 +154,3 @@ class TensorBoardMirror:
         self.writer.close()
         self.log.close()
 
-
-METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
-
-
-def is_metric(key: str) -> bool:
-    """Whether key is a metrics.jsonl key docs/metrics.md documents (eval_<rate>, failure/<kind>
-    and sampling/* as families): what `lab.compare --metrics` accepts."""
-    names = set()
-    for line in METRICS_PAGE.read_text().split("summary.json (`finish`)")[0].splitlines():
-        named = re.match(r"^    (\S.*?)(\s{2,}|$)", line)          # the left column of the list above
-        names.update(n for n in re.split(r",\s*", named.group(1)) if n) if named else None
-    if key in names:
-        return True
-    if key.startswith("eval_"):                                     # eval_<rate>: a rate above, held out
-        return is_metric(key[len("eval_"):])
-    families = [n.split("<")[0].rstrip("*") for n in names if "<" in n or n.endswith("*")]
-    return any(key.startswith(f) and key != f for f in families if f != "eval_")

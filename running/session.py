@@ -12,6 +12,7 @@ that fails because another rank died ends the run with one line (RankLost).
 import contextlib
 import dataclasses
 import json
+import os
 import random
 import sys
 import time
@@ -272,7 +273,7 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         checkpoint.write_whole(out / "config.json", json.dumps(dict(dataclasses.asdict(cfg), ran_on=ran_on,
                                                          processes=distributed.size(),
                                                          **({"init_from_checkpoint": init} if init else {})), indent=2))
-    logs = [checkpoint.JsonlLog(out / name, append=bool(cfg.resume)) if main else checkpoint.NoLog()
+    logs = [checkpoint.JsonlLog(out / name if main else os.devnull, append=bool(cfg.resume))   # rank 0 writes
             for name in ("metrics.jsonl", "samples.jsonl")]
     if cfg.resume and main and state.pending_row and checkpoint.last_step(out / "metrics.jsonl") < state.step:
         logs[0].write(state.pending_row)             # killed during the stop's evaluation: its step's line

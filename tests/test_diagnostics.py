@@ -11,6 +11,7 @@ import update
 from conftest import quick, synthetic_batch, tiny_model
 import diagnostics
 from running import report
+from lab import compare
 
 
 def test_completion_lengths_against_a_hand_count():
@@ -169,7 +170,7 @@ def test_a_message_on_a_terminal_erases_the_progress_line_it_follows(monkeypatch
 
 def test_every_key_a_run_writes_is_a_documented_metric(tmp_path):
     """docs/metrics.md lists every metric with its formula; lab.compare --metrics
-    accepts those (report.is_metric). A key a run writes and the list lacks fails here."""
+    accepts those (lab.compare.is_metric). A key a run writes and the list lacks fails here."""
     from running import config
     import train
     for name, extra in (("grpo", ()), ("ppo", ("--algo", "ppo", "--beta", "0.05")),
@@ -177,6 +178,6 @@ def test_every_key_a_run_writes_is_a_documented_metric(tmp_path):
                         ("m", ("--log-mismatch", "--rollout-correction", "tis", "--entropy-target", "0.2"))):
         train.train(config.parse_config(quick(tmp_path, name, "--steps", "2", *extra)))
         keys = {k for line in open(tmp_path / name / "metrics.jsonl") for k in json.loads(line)}
-        undocumented = sorted(k for k in keys if not report.is_metric(k))
+        undocumented = sorted(k for k in keys if not compare.is_metric(k))
         assert not undocumented, f"{name}: metrics.jsonl keys not in docs/metrics.md's list: {undocumented}"
 
