@@ -72,8 +72,8 @@ def summary_md(results: dict, root: Path | None = None) -> str:
                       f"{changed.get('registered')} (\"{changed['rule']}\") the verdict was: {changed['verdict']}")
         tested = stats.after_the_fact(root, name) if root and not r.get("quick") else []
         if tested:
-            ruled += (f"\n- **Tested after the runs** (the rule named no test; held-out best at the end over "
-                      f"seeds, alpha {stats.ALPHA}): " + "; ".join(tested))
+            ruled += (f"\n- **Tested after the runs** (the rule named no test; one-sided, alpha {stats.ALPHA}; "
+                      f"a mean is the held-out best at the end): " + "; ".join(tested))
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
                      f"({when}; {r['seconds']:.0f} s){ruled}{fig}\n")

@@ -171,6 +171,54 @@ AFTER_THE_FACT = (
 )
 
 
+# The SmolLM2 lab's 3-seed comparisons (results/smollm2-135m), whose rules named no test either:
+# (the SUMMARY entry, what is claimed, arm, arm, what is compared), each arm (experiment, run
+# folder). "best": the held-out best at the end, the first arm's above the second's (permutation
+# test); "one answer": runs ending on one answer, the first arm's count above the second's (Fisher).
+K8, TWO_EPOCHS = ("real_group_size", "K=8,_B=3"), ("real_entropy_collapse", "two_epochs")
+BONUS = ("real_group_size", "K=8,_B=3,_entropy_bonus_0.01")
+REAL_AFTER_THE_FACT = (
+    ("real_group_size", "K=8/B=3 above K=2/B=3", K8, ("real_group_size", "K=2,_B=3"), "best"),
+    ("real_group_size", "K=2/B=3 on one answer more often than K=8/B=3", ("real_group_size", "K=2,_B=3"), K8,
+     "one answer"),
+    ("real_entropy_collapse", "the entropy bonus off one answer more often than K=8/B=3", K8, BONUS, "one answer"),
+    *(("real_entropy_collapse", f"{fix} off one answer more often than K=8/B=3", K8,
+       ("real_entropy_collapse", folder), "one answer")
+      for fix, folder in (("Clip-Cov", "Clip-Cov"), ("80/20", "80_20"), ("adaptive entropy", "adaptive_entropy"))),
+    *(("real_entropy_collapse", f"{fix} off one answer more often than two epochs alone", TWO_EPOCHS,
+       ("real_entropy_collapse", f"two_epochs,_{fix}"), "one answer") for fix in ("clip-higher", "CISPO")),
+)
+
+
+def real_arm(root: Path, arm: tuple, key: str) -> list:
+    """key of every run of a SmolLM2 arm under root (the lab's folder), in seed order."""
+    folder = root / arm[0] / "runs" / arm[1]
+    runs = sorted(folder.glob("s*/summary.json"))
+    if not runs:
+        raise OSError(f"no runs in {folder}")
+    return [json.loads(r.read_text())[key] for r in runs]
+
+
+def real_after_the_fact(root: Path, experiment: str) -> list[str]:
+    """REAL_AFTER_THE_FACT's comparisons of one SUMMARY entry, tested on the runs under root."""
+    from lab.real import COLLAPSED                   # what "ended on one answer" means in the real-model lab
+    out = []
+    for entry, name, first, second, kind in REAL_AFTER_THE_FACT:
+        if entry != experiment:
+            continue
+        if kind == "best":
+            x, y = real_arm(root, first, "eval_best_rate_end"), real_arm(root, second, "eval_best_rate_end")
+            p = permutation(x, y)
+            out.append(f"{name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation "
+                       f"p = {p:.2f}{undecided(p)}")
+        else:
+            a, b = ([(v or 0) >= COLLAPSED for v in real_arm(root, arm, "eval_one_answer_end")] for arm in (first, second))
+            p = fisher(sum(a), len(a), sum(b), len(b))
+            out.append(f"{name}: on one answer {sum(a)}/{len(a)} against {sum(b)}/{len(b)}, one-sided Fisher "
+                       f"p = {p:.2f}{undecided(p)}")
+    return out
+
+
 def after_the_fact(root: Path, experiment: str) -> list[str]:
     """The AFTER_THE_FACT comparisons whose first arm is experiment's, tested on the runs in root
     (a lab's folder), one phrase each (SUMMARY.md's entry, `python -m lab.stats`); for
@@ -178,6 +226,8 @@ def after_the_fact(root: Path, experiment: str) -> list[str]:
     file is missing (a --quick or partial lab)."""
     out = []
     try:
+        if experiment.startswith("real_"):
+            return real_after_the_fact(root, experiment)
         for name, (ex, first), (ey, second) in AFTER_THE_FACT:
             if ex == experiment:
                 x, y = toy(ex, first, "eval_best_rate_end", root), toy(ey, second, "eval_best_rate_end", root)

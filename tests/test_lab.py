@@ -296,6 +296,22 @@ def test_the_committed_summary_is_what_the_lab_writes_from_its_files():
     assert "Tested after the runs" not in lab.summary_md(lab.read_summary(results))    # no folder, no runs to test
 
 
+def test_the_smollm2_summary_tests_its_three_seed_verdicts_and_finds_them_inconclusive():
+    """results/smollm2-135m/SUMMARY.md is what the lab writes, and its 3-seed entries carry their
+    tests: "held for adaptive entropy" rests on 0 of 3 runs on one answer against 1 of 3, whose
+    one-sided Fisher p is, by hand, P(the baseline's arm holds the one collapsed run of six) = 3/6; K=8 above K=2 on 3 runs each cannot reach p < 0.05
+    (1 / C(6, 3) = 0.05 is the smallest)."""
+    real = Path(__file__).parent.parent / "results" / "smollm2-135m"
+    text = (real / "SUMMARY.md").read_text()
+    assert text == lab.summary_md(lab.read_summary(real), real)
+    entropy = text.split("## real_entropy_collapse")[1].split("\n## ")[0]
+    assert "adaptive entropy off one answer more often than K=8/B=3: on one answer 1/3 against 0/3, " \
+           "one-sided Fisher p = 0.50 (inconclusive)" in entropy
+    group = text.split("## real_group_size")[1].split("\n## ")[0]
+    assert "K=8/B=3 above K=2/B=3: +0.167, one-sided permutation p = 0.30 (inconclusive)" in group
+    assert stats.fisher(1, 3, 0, 3) == 0.5 and stats.permutation([1, 1, 1], [0, 0, 0]) == 1 / 20
+
+
 def test_the_per_step_numbers_of_committed_toy_entries_are_recomputed_from_their_kept_runs():
     """critic's and kl_range's per-step figures in results/summary.json, recomputed from each
     run's committed metrics.jsonl.gz (lab.common.keep) with a plain loop: kl_range's lowest beta
