@@ -37,6 +37,8 @@ import subprocess
 import statistics
 import sys
 import textwrap
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,9 +128,18 @@ def pool(jobs: int) -> ProcessPoolExecutor:
 def worker_init(threads: int) -> None:
     """A worker's start: its share of the CPU threads, and Ctrl-C ignored while it waits (a
     terminal's Ctrl-C reaches every process of the group; an idle worker printed a traceback).
-    A run in it still stops cleanly: train.py catches SIGINT for as long as it runs."""
+    A run in it still stops cleanly: train.py catches SIGINT for as long as it runs. A worker
+    whose parent dies (kill -9 of the lab, a test runner's timeout) ends too: it once waited
+    forever, an orphan, and a run it held went on training for no one."""
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def stop_pools() -> None:

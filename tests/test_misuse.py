@@ -783,6 +783,28 @@ def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_pa
     assert err.strip().splitlines()[-1] == "python -m lab.compare: interrupted; the finished runs' folders are kept"
 
 
+def test_a_compare_worker_ends_when_its_parent_is_killed():
+    """kill -9 of the lab (or a test runner's timeout) left compare's pool workers behind,
+    orphans waiting forever (five were found an hour later). A worker now watches its parent
+    and ends within seconds of its death."""
+    code = ("import os, time\nfrom lab import compare\n"
+            "print(compare.pool(1).submit(os.getpid).result(), flush=True)\ntime.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(parent.stdout.readline())
+        os.kill(worker, 0)                                     # alive while its parent is
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.time() + 20
+        while time.time() < deadline and os.path.exists(f"/proc/{worker}") and \
+                open(f"/proc/{worker}/stat").read().split()[2] != "Z":
+            time.sleep(0.2)
+        gone = not os.path.exists(f"/proc/{worker}") or open(f"/proc/{worker}/stat").read().split()[2] == "Z"
+        assert gone, f"worker {worker} outlived its killed parent"
+    finally:
+        parent.kill()
+
+
 def test_a_full_disk_while_logging_stops_the_run_in_one_line_and_resume_redoes_the_step(tmp_path, monkeypatch, capsys):
     """on a full disk the run went on writing into a log with a hole in it. Now it stops
     at that step (exit 1), every line whole, and --resume continues once there is room."""

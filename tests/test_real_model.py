@@ -112,14 +112,31 @@ def test_a_turn_ends_at_its_stop_string_though_it_is_several_tokens(base):
     assert tool_env.stop_ids(tok, STOP_STRINGS) is None                 # not single tokens here
     cut = tool_env.turn_tokens(ids, tok, None, STOP_STRINGS)
     assert tok.decode(cut) == turn
-    # and in real episodes: every turn that holds a stop string ends with it
-    torch.manual_seed(0)
-    _, outcomes = tool_task.sample(base, tool_task.prompts("eval")[:2], 2,
-                                   tasks.Sampling(max_new_tokens=40, max_turns=2))
-    for _, turns in outcomes:
-        for text in turns:
-            hits = [s for s in STOP_STRINGS if s in text]
-            assert not hits or text.endswith(hits[0]), text
+    # and in real episodes. SmolLM2 untrained wrote no stop string in 8 sampled turns of 40 tokens
+    # (so a check on its own samples could not fail); here its LM head is scripted to write the
+    # turn above and go on talking: generation must stop at the stop string, in every turn.
+    script = ids + [tok.eos_token_id]
+    calls = {"n": 0}
+
+    def turn_starts(module, args, kwargs):          # generate's prefill: the whole context at once
+        if kwargs.get("input_ids") is not None and kwargs["input_ids"].shape[1] > 1:
+            calls["n"] = -1
+
+    def scripted(module, args, logits):              # (rows, positions, V): the next script token, certain
+        calls["n"] += 1
+        forced = torch.full_like(logits, -1e4)
+        forced[..., script[min(calls["n"], len(script) - 1)]] = 0.0
+        return forced
+    hooks = [base.model.register_forward_pre_hook(turn_starts, with_kwargs=True),
+             base.model.get_output_embeddings().register_forward_hook(scripted)]
+    try:
+        _, outcomes = tool_task.sample(base, tool_task.prompts("eval")[:1], 1,
+                                       tasks.Sampling(max_new_tokens=len(ids), max_turns=2))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    turns = [text for _, episode in outcomes for text in episode]
+    assert len(turns) == 2 and all(text == turn for text in turns), turns
 
 
 @pytest.mark.slow
