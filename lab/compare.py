@@ -129,8 +129,9 @@ def worker_init(threads: int) -> None:
     """A worker's start: its share of the CPU threads, and Ctrl-C ignored while it waits (a
     terminal's Ctrl-C reaches every process of the group; an idle worker printed a traceback).
     A run in it still stops cleanly: train.py catches SIGINT for as long as it runs. A worker
-    whose parent dies (kill -9 of the lab, a test runner's timeout) ends too: it once waited
-    forever, an orphan, and a run it held went on training for no one."""
+    whose parent process dies (kill -9 of the lab, a test runner's timeout) ends too: it once
+    waited forever, an orphan. It polls its parent: prctl's death signal (die_with_parent)
+    follows the thread that started it, here a waiter thread that ends after every sweep."""
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
