@@ -34,7 +34,8 @@ class Lab:
     def __init__(self, root: Path, quick: bool, model: str = "", jobs: int = 1):
         self.root, self.quick, self.model, self.jobs = root, quick, model, jobs
         self.seeds = QUICK_SEEDS if quick else SEEDS
-        self.seeds_ran = set()          # the seeds the experiment in progress ran (its entry's stamp)
+        self.most_seeds = 0             # the most seeds one setting of the experiment in progress ran
+                                        # (its entry's stamp: calibration runs on other seeds add none)
 
     def dir(self, name: str) -> Path:
         path = self.root / name
@@ -60,7 +61,7 @@ class Lab:
               seeds: range | None = None):
         """Every setting over seeds (default: self.seeds from 0; --quick: the first 2 of the range)."""
         seeds = range(self.seeds) if seeds is None else seeds[:QUICK_SEEDS] if self.quick else seeds
-        self.seeds_ran.update(seeds)
+        self.most_seeds = max(self.most_seeds, len(seeds))
         common = self.shrink(common) + (" --eval-every 5 --eval-samples 1" if self.quick else "") \
             + (f" --model {self.model}" if self.model else "")
         settings = [self.shrink(s) for s in settings]

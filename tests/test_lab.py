@@ -349,3 +349,16 @@ def test_the_per_step_numbers_of_committed_toy_entries_are_recomputed_from_their
             medians.append(xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2)
         assert f"{label} [" + ", ".join(f"{x:.2f}" for x in medians) + "]; " in \
             entry["critic"]["measured"].split("first half of the run: ")[1]
+
+
+def test_an_entry_is_stamped_with_the_seeds_of_one_setting_not_with_its_calibration_seeds(tmp_path, monkeypatch):
+    """SUMMARY.md says "N seeds" per setting: an experiment that calibrates on seeds 100-103 and
+    then runs 20 seeds an arm (grad_clip_regime) is stamped 20, not 24 (as it was recorded)."""
+    from lab import common, compare
+    seen = []
+    monkeypatch.setattr(compare, "run_settings", lambda settings, common_flags, seeds, *a, **k:
+                        seen.append(list(seeds)) or {s: [] for s in settings})
+    lab_ = common.Lab(tmp_path, quick=False)
+    lab_.sweep("calibration", ["--lr 0.1"], "", seeds=range(100, 104))
+    lab_.sweep("test", ["--lr 0.1", "--lr 0.2"], "", seeds=range(20))
+    assert seen == [[100, 101, 102, 103], list(range(20))] and lab_.most_seeds == 20
