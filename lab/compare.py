@@ -277,6 +277,7 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
+
 METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
@@ -293,7 +294,6 @@ def is_metric(key: str) -> bool:
         return is_metric(key[len("eval_"):])
     families = [n.split("<")[0].rstrip("*") for n in names if "<" in n or n.endswith("*")]
     return any(key.startswith(f) and key != f for f in families if f != "eval_")
-
 
 
 def main(argv=None):

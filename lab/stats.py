@@ -136,9 +136,12 @@ def decide(p: float, alpha: float = ALPHA) -> str:
 REAL = Path(__file__).resolve().parent.parent / "results" / "smollm2-135m"
 
 
-def committed(experiment: str, arm: str, key: str) -> list:
-    """key of every committed SmolLM2 run of one arm of an experiment, in seed order."""
-    runs = sorted((REAL / experiment / "runs" / arm).glob("s*/summary.json"))
+def committed(experiment: str, arm: str, key: str, root: Path = REAL) -> list:
+    """key of every SmolLM2 run of one arm (its run folder) of an experiment under root (the
+    committed runs by default), in seed order; OSError when it has none."""
+    runs = sorted((root / experiment / "runs" / arm).glob("s*/summary.json"))
+    if not runs:
+        raise OSError(f"no runs in {root / experiment / 'runs' / arm}")
     return [json.loads(r.read_text())[key] for r in runs]
 
 
@@ -190,15 +193,6 @@ REAL_AFTER_THE_FACT = (
 )
 
 
-def real_arm(root: Path, arm: tuple, key: str) -> list:
-    """key of every run of a SmolLM2 arm under root (the lab's folder), in seed order."""
-    folder = root / arm[0] / "runs" / arm[1]
-    runs = sorted(folder.glob("s*/summary.json"))
-    if not runs:
-        raise OSError(f"no runs in {folder}")
-    return [json.loads(r.read_text())[key] for r in runs]
-
-
 def real_after_the_fact(root: Path, experiment: str) -> list[str]:
     """REAL_AFTER_THE_FACT's comparisons of one SUMMARY entry, tested on the runs under root."""
     from lab.real import COLLAPSED                   # what "ended on one answer" means in the real-model lab
@@ -207,12 +201,12 @@ def real_after_the_fact(root: Path, experiment: str) -> list[str]:
         if entry != experiment:
             continue
         if kind == "best":
-            x, y = real_arm(root, first, "eval_best_rate_end"), real_arm(root, second, "eval_best_rate_end")
+            x, y = (committed(*arm, "eval_best_rate_end", root) for arm in (first, second))
             p = permutation(x, y)
             out.append(f"{name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation "
                        f"p = {p:.2f}{undecided(p)}")
         else:
-            a, b = ([(v or 0) >= COLLAPSED for v in real_arm(root, arm, "eval_one_answer_end")] for arm in (first, second))
+            a, b = ([(v or 0) >= COLLAPSED for v in committed(*arm, "eval_one_answer_end", root)] for arm in (first, second))
             p = fisher(sum(a), len(a), sum(b), len(b))
             out.append(f"{name}: on one answer {sum(a)}/{len(a)} against {sum(b)}/{len(b)}, one-sided Fisher "
                        f"p = {p:.2f}{undecided(p)}")
@@ -273,12 +267,9 @@ def main() -> None:
     print(f"  K=8 above K=2: {statistics.fmean(k8) - statistics.fmean(k2):+.3f}, one-sided permutation p = "
           f"{permutation(k8, k2):.2f}; the pooled sd over seeds is {sd:.3f}; {n} runs an arm detect {seen}; "
           f"this difference needs {seeds_for_mean(statistics.fmean(k8) - statistics.fmean(k2), sd)} runs an arm")
-    from lab.real import COLLAPSED                   # what "ended on one answer" means in the real-model lab
-    on_one = {arm: sum(x >= COLLAPSED for x in committed(experiment, arm, "eval_one_answer_end"))
-              for experiment, arm in (("real_group_size", "K=8,_B=3"), ("real_entropy_collapse", "adaptive_entropy"))}
-    print(f"  runs ending on one answer (eval_one_answer_end >= {COLLAPSED}): K=8/B=3 {on_one['K=8,_B=3']}/3, with "
-          f"adaptive entropy {on_one['adaptive_entropy']}/3; one-sided Fisher p = "
-          f"{fisher(on_one['K=8,_B=3'], 3, on_one['adaptive_entropy'], 3):.2f}")
+    for entry in ("real_group_size", "real_entropy_collapse"):   # the tests SUMMARY.md prints beside them
+        for line in real_after_the_fact(REAL, entry):
+            print(f"  {line}")
     from lab.real import one_answer_census
     c = one_answer_census(REAL)
     print(f"  SmolLM2 DSL runs ending with one text for every logged held-out sample (Lesson 10): "
