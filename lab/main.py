@@ -73,9 +73,9 @@ def summary_md(results: dict, root: Path | None = None) -> str:
         tested = stats.after_the_fact(root, name) if root and not r.get("quick") else []
         if tested:
             ruled += (f"\n- **Tested after the runs** (the rule named no test; one-sided, alpha {stats.ALPHA}; "
-                      f"a mean is the held-out best at the end): " + "; ".join(tested))
+                      f"a mean is the held-out best at the end): " + "; ".join(phrase for _, _, phrase in tested))
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
-                     f"- **Measured:** {r['measured']}.\n- **Verdict:** {r['verdict']}. "
+                     f"- **Measured:** {r['measured']}.\n- **Verdict:** {stats.tested_verdict(r['verdict'], tested, name)}. "
                      f"({when}; {r['seconds']:.0f} s){ruled}{fig}\n")
     return "\n".join(parts)
 

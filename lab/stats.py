@@ -193,50 +193,128 @@ REAL_AFTER_THE_FACT = (
 )
 
 
-def real_after_the_fact(root: Path, experiment: str) -> list[str]:
-    """REAL_AFTER_THE_FACT's comparisons of one SUMMARY entry, tested on the runs under root."""
+def real_after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, str]]:
+    """REAL_AFTER_THE_FACT's comparisons of one SUMMARY entry, tested on the runs under root:
+    (what is claimed, p, the phrase) each."""
     from lab.real import COLLAPSED                   # what "ended on one answer" means in the real-model lab
     out = []
     for entry, name, first, second, kind in REAL_AFTER_THE_FACT:
         if entry != experiment:
             continue
         if kind == "best":
-            x, y = (committed(*arm, "eval_best_rate_end", root) for arm in (first, second))
-            p = permutation(x, y)
-            out.append(f"{name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation "
-                       f"p = {p:.2f}{undecided(p)}")
+            out.append(means_test(name, *(committed(*arm, "eval_best_rate_end", root) for arm in (first, second))))
         else:
             a, b = ([(v or 0) >= COLLAPSED for v in committed(*arm, "eval_one_answer_end", root)] for arm in (first, second))
-            p = fisher(sum(a), len(a), sum(b), len(b))
-            out.append(f"{name}: on one answer {sum(a)}/{len(a)} against {sum(b)}/{len(b)}, one-sided Fisher "
-                       f"p = {p:.2f}{undecided(p)}")
+            out.append(counts_test(name, sum(a), len(a), sum(b), len(b), "on one answer ", " against "))
     return out
 
 
-def after_the_fact(root: Path, experiment: str) -> list[str]:
+def means_test(name: str, x: list, y: list) -> tuple[str, float, str]:
+    """mean(x) above mean(y), to the permutation test, with what the design could detect."""
+    p = permutation(x, y)
+    return name, p, (f"{name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation "
+                     f"p = {p_value(p)}{undecided(p)}, {can_detect_mean(x, y)}")
+
+
+def counts_test(name: str, a: int, n1: int, b: int, n2: int, lead: str, join: str) -> tuple[str, float, str]:
+    """a of n1 runs above b of n2, to Fisher's test, with what the design could detect; the
+    counts written lead a/n1 join b/n2."""
+    p = fisher(a, n1, b, n2)
+    return name, p, (f"{name}: {lead}{a}/{n1}{join}{b}/{n2}, one-sided Fisher p = {p_value(p)}{undecided(p)}, "
+                     f"{can_detect_count(n1, n2)}")
+
+
+def can_detect_mean(x: list, y: list) -> str:
+    """What a permutation test of these two arms could see: detectable_mean at their pooled sd."""
+    sd = math.sqrt(((len(x) - 1) * statistics.variance(x) + (len(y) - 1) * statistics.variance(y))
+                   / (len(x) + len(y) - 2))
+    mde = detectable_mean(sd, len(x), len(y))
+    if mde == math.inf:
+        return f"and {len(x)} runs against {len(y)} can reach p < {ALPHA} by no split"
+    return f"{len(x)} runs against {len(y)} detect {mde:+.3f} (power 0.8, sd {sd:.3f})"
+
+
+def smallest_count(n1: int, n2: int) -> int | None:
+    """The fewest of n1 runs that Fisher's test calls above none of n2: the smallest difference
+    of counts the design can see at all; None when even n1 of n1 cannot."""
+    return next((a for a in range(1, n1 + 1) if fisher(a, n1, 0, n2) < ALPHA), None)
+
+
+def can_detect_count(n1: int, n2: int) -> str:
+    a = smallest_count(n1, n2)
+    if a is None:
+        return f"and no count of {n1} runs against {n2} reaches p < {ALPHA}"
+    return f"the smallest it can see is {a}/{n1} against 0/{n2}"
+
+
+def after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, str]]:
     """The AFTER_THE_FACT comparisons whose first arm is experiment's, tested on the runs in root
-    (a lab's folder), one phrase each (SUMMARY.md's entry, `python -m lab.stats`); for
-    group_norm also its lr-7e-3 runs' off-format counts, to Fisher's test. None where a run's
-    file is missing (a --quick or partial lab)."""
+    (a lab's folder): (what is claimed, p, the phrase) each (SUMMARY.md's entry, `python -m
+    lab.stats`); for group_norm also its lr-7e-3 runs' off-format counts, to Fisher's test. None
+    where a run's file is missing (a --quick or partial lab)."""
     out = []
     try:
         if experiment.startswith("real_"):
             return real_after_the_fact(root, experiment)
         for name, (ex, first), (ey, second) in AFTER_THE_FACT:
             if ex == experiment:
-                x, y = toy(ex, first, "eval_best_rate_end", root), toy(ey, second, "eval_best_rate_end", root)
-                p = permutation(x, y)
-                out.append(f"{name}: {statistics.fmean(x) - statistics.fmean(y):+.3f}, one-sided permutation "
-                           f"p = {p:.3f}{undecided(p)}")
+                out.append(means_test(name, toy(ex, first, "eval_best_rate_end", root),
+                                      toy(ey, second, "eval_best_rate_end", root)))
         if experiment == "group_norm":
             off = [toy("group_norm_aggressive_lr", f"--k {k} --batch 3 --norm group", "ended_off_format", root)
                    for k in (2, 8)]
-            p = fisher(sum(off[0]), len(off[0]), sum(off[1]), len(off[1]))
-            out.append(f"off-format at lr 7e-3: K=2/B=3 {sum(off[0])}/{len(off[0])}, K=8/B=3 {sum(off[1])}/"
-                       f"{len(off[1])}, one-sided Fisher p = {p:.4f}{undecided(p)}")
+            out.append(counts_test("off-format at lr 7e-3", sum(off[0]), len(off[0]), sum(off[1]), len(off[1]),
+                                   "K=2/B=3 ", ", K=8/B=3 "))
     except (OSError, KeyError, ValueError):
         return []
     return out
+
+
+# The comparison that is each claim's own test, where its rule named none: the verdict's word
+# stands only where this test gives p < ALPHA (SUMMARY.md then says which test it rests on);
+# else the entry reads "inconclusive", the rule's letter beside it. Chosen by the claim's words,
+# not by the p-values: dynamic sampling is claimed for K=2 ("at K=2 most groups carry no
+# signal"); report 001's group-size claim is K=8 above K=2 at the same B; report 000's critic
+# claim is its own setting, a separate critic at 10x lr, above a shared one; report 002's is the fixed, large batch above
+# the dynamic lr; the SmolLM2 entropy verdict names adaptive entropy.
+CLAIM_TEST = {"group_norm": "K=8/B=3 above K=2/B=3", "dynamic_sampling": "dynamic sampling above none, K=2/B=3",
+              "critic": "a separate critic at 10x lr above a shared one",
+              "fixed_vs_dynamic": "fixed, 128 samples a step, above a cosine lr, 32",
+              "real_group_size": "K=8/B=3 above K=2/B=3",
+              "real_entropy_collapse": "adaptive entropy off one answer more often than K=8/B=3"}
+
+
+# The verdicts that claim an effect with no test to read: why, said beside the verdict.
+UNTESTED = {
+    "k2_pm1": "exact: every reward draw of the mix enumerated, nothing sampled",
+    "batch_size": "no test: the variances are measured on 8 batches each from one warm start, the gap is an "
+                  "equality to float precision, and the reward swing's per-step files were not kept",
+    "collapse_rate": "its test is the 95% interval of each collapsed count, under Measured",
+    "entropy_collapse": "no test of 'entropy held': a ratio of means the rule reads; the per-step entropies "
+                        "were not kept",
+    "entropy_collapse_epochs": "no test of 'entropy held' or of 'costs the task': ratios and differences of "
+                               "means the rule reads",
+}
+
+
+def tested_verdict(verdict: str, tests: list, experiment: str) -> str:
+    """The verdict as SUMMARY.md reads it: the rule's word where the claim's own test
+    (CLAIM_TEST) gives p < ALPHA, naming that test; "inconclusive" where it does not, the rule's
+    letter kept beside; the verdict with why it has no test (UNTESTED), or as it is (a
+    registered test's, or "not reproduced")."""
+    own = next(((name, p) for name, p, _ in tests if name == CLAIM_TEST.get(experiment)), None)
+    if own is None:
+        return f"{verdict} ({UNTESTED[experiment]})" if experiment in UNTESTED else verdict
+    name, p = own
+    if p < ALPHA:
+        return f"{verdict} (its test, after the runs: {name}, p = {p_value(p)})"
+    return (f"inconclusive: its test, after the runs ({name}), gives p = {p_value(p)}; the rule named no test, "
+            f"and its letter said: {verdict}")
+
+
+def p_value(p: float) -> str:
+    """p to three decimals, or two significant digits below 0.01 (Fisher's 6/792 = 0.0076)."""
+    return f"{p:.3f}" if p >= 0.01 else f"{p:.2g}"
 
 
 def undecided(p: float) -> str:
@@ -248,7 +326,7 @@ def toy_after_the_fact() -> None:
     the one-sided permutation test; and group_norm's off-format count at lr 7e-3 to Fisher's."""
     print("The committed tiny-model runs, held-out best at the end, 6 seeds an arm, tested after the fact:")
     for experiment in dict.fromkeys(x[0] for _, x, _ in AFTER_THE_FACT):
-        for line in after_the_fact(REAL.parent, experiment):
+        for _, _, line in after_the_fact(REAL.parent, experiment):
             print(f"  {line}")
     print()
 
@@ -268,7 +346,7 @@ def main() -> None:
           f"{permutation(k8, k2):.2f}; the pooled sd over seeds is {sd:.3f}; {n} runs an arm detect {seen}; "
           f"this difference needs {seeds_for_mean(statistics.fmean(k8) - statistics.fmean(k2), sd)} runs an arm")
     for entry in ("real_group_size", "real_entropy_collapse"):   # the tests SUMMARY.md prints beside them
-        for line in real_after_the_fact(REAL, entry):
+        for _, _, line in real_after_the_fact(REAL, entry):
             print(f"  {line}")
     from lab.real import one_answer_census
     c = one_answer_census(REAL)

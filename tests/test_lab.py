@@ -291,8 +291,10 @@ def test_the_committed_summary_is_what_the_lab_writes_from_its_files():
     k8 = stats.toy("group_norm", "--k 8 --batch 3 --norm group", "eval_best_rate_end")
     k2 = stats.toy("group_norm", "--k 2 --batch 3 --norm group", "eval_best_rate_end")
     assert (f"K=8/B=3 above K=2/B=3: {statistics.fmean(k8) - statistics.fmean(k2):+.3f}, one-sided permutation "
-            f"p = {stats.permutation(k8, k2):.3f};") in group_norm
+            f"p = {stats.p_value(stats.permutation(k8, k2))},") in group_norm
     assert "K=2/B=3 5/6, K=8/B=3 0/6, one-sided Fisher p = 0.0076" in group_norm       # 6 / C(12, 5) = 6/792
+    # 6 runs against 6: 4/6 against 0/6 is the least Fisher's test can see (15/495 = 0.030; 3/6: 20/220 = 0.091)
+    assert "the smallest it can see is 4/6 against 0/6" in group_norm
     assert "Tested after the runs" not in lab.summary_md(lab.read_summary(results))    # no folder, no runs to test
 
 
@@ -306,9 +308,12 @@ def test_the_smollm2_summary_tests_its_three_seed_verdicts_and_finds_them_inconc
     assert text == lab.summary_md(lab.read_summary(real), real)
     entropy = text.split("## real_entropy_collapse")[1].split("\n## ")[0]
     assert "adaptive entropy off one answer more often than K=8/B=3: on one answer 1/3 against 0/3, " \
-           "one-sided Fisher p = 0.50 (inconclusive)" in entropy
+           "one-sided Fisher p = 0.500 (inconclusive), and no count of 3 runs against 3 reaches p < 0.05" in entropy
     group = text.split("## real_group_size")[1].split("\n## ")[0]
-    assert "K=8/B=3 above K=2/B=3: +0.167, one-sided permutation p = 0.30 (inconclusive)" in group
+    assert "K=8/B=3 above K=2/B=3: +0.167, one-sided permutation p = 0.300 (inconclusive)" in group
+    # the verdicts read what their tests support: neither says held or learns more, the rule's letter beside
+    assert "**Verdict:** inconclusive: its test" in entropy and "its letter said: held for adaptive entropy" in entropy
+    assert "**Verdict:** inconclusive: its test" in group
     assert stats.fisher(1, 3, 0, 3) == 0.5 and stats.permutation([1, 1, 1], [0, 0, 0]) == 1 / 20
 
 

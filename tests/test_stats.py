@@ -105,3 +105,30 @@ def test_lesson_2s_group_norm_comparison_tested_after_the_fact(capsys):
                 >= seen - 1e-12 for a in splits) / len(splits)
     stats.toy_after_the_fact()
     assert f"K=8/B=3 above K=2/B=3: {seen:+.3f}, one-sided permutation p = {naive:.3f}" in capsys.readouterr().out
+
+
+def test_a_verdict_reads_inconclusive_where_its_claims_own_test_gives_p_above_alpha():
+    """SUMMARY.md's verdict follows the claim's own test (stats.CLAIM_TEST): dynamic sampling's
+    K=2 arm, p = 0.077 on the committed runs by the permutation test, turns "reproduced" into
+    "inconclusive" with the rule's letter beside; a test below 0.05 keeps the word and names the
+    test; an experiment with neither keeps its verdict."""
+    tests = [("dynamic sampling above none, K=2/B=3", 0.077, ""), ("dynamic sampling above none, K=8/B=3", 0.009, "")]
+    read = stats.tested_verdict("reproduced", tests, "dynamic_sampling")
+    assert read.startswith("inconclusive:") and read.endswith("its letter said: reproduced")
+    read = stats.tested_verdict("reproduced", [("a separate critic at 10x lr above a shared one", 0.017, "")], "critic")
+    assert read == "reproduced (its test, after the runs: a separate critic at 10x lr above a shared one, p = 0.017)"
+    assert stats.tested_verdict("not reproduced", [], "kl_range") == "not reproduced"
+    dyn = stats.toy("dynamic_sampling", "--k 2 --batch 3 --norm group --dynamic-sampling", "eval_best_rate_end")
+    none = stats.toy("group_norm", "--k 2 --batch 3 --norm group", "eval_best_rate_end")
+    assert [p for name, p, _ in stats.after_the_fact(stats.REAL.parent, "dynamic_sampling")
+            if name == stats.CLAIM_TEST["dynamic_sampling"]] == [stats.permutation(dyn, none)]
+
+
+def test_the_smallest_count_fishers_test_can_see_by_hand():
+    """6 runs against 6: 4/6 against 0/6 gives C(6,4)/C(12,4) = 15/495 = 0.030 < 0.05, 3/6 gives
+    20/220 = 0.091; 3 against 3 sees nothing (3/3 against 0/3: 1/20 = 0.05, not below); 20 against
+    20 sees 5/20 (C(20,5)/C(40,5) = 0.023; 4/20: 0.053)."""
+    assert stats.fisher(4, 6, 0, 6) == pytest.approx(15 / 495) and stats.fisher(3, 6, 0, 6) == pytest.approx(20 / 220)
+    assert stats.smallest_count(6, 6) == 4 and stats.smallest_count(3, 3) is None
+    assert stats.fisher(5, 20, 0, 20) == pytest.approx(math.comb(20, 5) / math.comb(40, 5))
+    assert stats.smallest_count(20, 20) == 5 and stats.fisher(4, 20, 0, 20) >= 0.05
