@@ -34,7 +34,9 @@ class Knobs:
     """The reward: which function pays a completion, and DAPO's length shaping and filtering."""
     reward: str = field(default="shaped", metadata={
         "help": "tools task: sparse +-1, report 000's shaped reward, or the format reward; dsl task: shaped "
-                "(report 001's 1 / 0.2 / 0) or composite (report 003's)", "choices": ("sparse", "shaped", "format", "composite")})
+                "(report 001's 1 / 0.2 / 0), composite (report 003's), or misjudged (composite, paid as if a "
+                "quarter of the training prompts were another type: tasks/workflow_task.py)",
+        "choices": ("sparse", "shaped", "format", "composite", "misjudged")})
     reward_clip: float = field(default=0.0, metadata={"help": "tools task: clamp the shaped reward to [-c, c]; "
                                                       "0 = off", "min": 0, "flag": False})
     drop_process_reward: bool = field(default=False, metadata={"help": "tools task: leave the tool's process "
@@ -49,10 +51,11 @@ class Knobs:
 
 def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
-    if cfg.reward == "composite" and cfg.task != "dsl":
-        yield "reward", f"composite is report 003's reward written for the dsl task, not --task {cfg.task}"
+    if cfg.reward in ("composite", "misjudged") and cfg.task != "dsl":
+        yield "reward", f"{cfg.reward} is report 003's reward written for the dsl task, not --task {cfg.task}"
     if cfg.reward in ("sparse", "format") and cfg.task != "tools":
-        yield "reward", f"{cfg.reward} is a reward of the tools task; the dsl task takes shaped (the default) or composite"
+        yield "reward", (f"{cfg.reward} is a reward of the tools task; the dsl task takes shaped (the default), "
+                         f"composite or misjudged")
     if not (cfg.overlong_buffer == 0 or 0 < cfg.overlong_buffer < cfg.completion_limit):
         yield "overlong-buffer", (f"must be in [0, the completion limit {cfg.completion_limit}) (0 = off), got "
                                   f"{cfg.overlong_buffer}")

@@ -7,6 +7,14 @@ A prompt names a problem and its type; the type decides which workflow is best:
 rewards.py scores a completion (1.0 best, 0.2 other valid DSL, 0 off-format; or, with
 --reward composite, report 003's 2*hard + gt_prob + 0.1*(1-hard)*rel).
 
+--reward misjudged: the composite reward from a judge that is wrong on a fixed quarter of the
+training prompts (MISJUDGED), paying there for the next type's best workflow, as report 003's
+reward came from a VQA model that is itself wrong on some questions. The held-out prompts and
+every rate (best_rate, ...) are judged right, so the reward a run climbs is partly misaligned
+with the held-out metric: on three quarters of the prompts of a type it pays for the type's
+best workflow, on the rest for another, and a policy that learns those exceptions by heart
+can carry them to prompts it never trained on.
+
 Train and held-out prompts share the four types but not the (verb, object) pairs: the
 held-out set checks that the policy learned "type -> workflow", not a list of prompts.
 
@@ -97,16 +105,21 @@ def prompt_text(ptype: str, verb: str, obj: str) -> str:
     return f"Problem ( {ptype} ) : {verb} {obj} . Workflow :"
 
 
+MISJUDGED = 4        # --reward misjudged: every 4th training prompt of a type (6 of its 24)
+
+
 def make_prompts(split: str) -> list[dict]:
-    """All prompts of a split ('train' or 'eval'): dicts with text, type, best."""
+    """All prompts of a split ('train' or 'eval'): dicts with text, type, best; a misjudged
+    training prompt (--reward misjudged) also has `judged`, the next type's best workflow."""
     prompts = []
     for ptype in TYPES:
         objs = OBJECTS[ptype][:-HELD_OUT_OBJECTS] if split == "train" \
             else OBJECTS[ptype][-HELD_OUT_OBJECTS:]
-        for verb in VERBS[ptype]:
-            for obj in objs:
-                prompts.append({"text": prompt_text(ptype, verb, obj), "type": ptype,
-                                "best": BEST_WORKFLOW[ptype]})
+        for i, (verb, obj) in enumerate((v, o) for v in VERBS[ptype] for o in objs):
+            prompt = {"text": prompt_text(ptype, verb, obj), "type": ptype, "best": BEST_WORKFLOW[ptype]}
+            if split == "train" and i % MISJUDGED == 0:      # (verb, object) pairs spread over both
+                prompt["judged"] = BEST_WORKFLOW[TYPES[(TYPES.index(ptype) + 1) % len(TYPES)]]
+            prompts.append(prompt)
     return prompts
 
 
@@ -150,6 +163,9 @@ def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True
     classes = [rewards.classify(t, b) for t, b in zip(batch.texts, bests)]
     if sampling.reward == "composite":           # report 003's (rewards.composite_reward)
         batch.rewards = torch.tensor([rewards.composite_reward(t, b) for t, b in zip(batch.texts, bests)])
+    elif sampling.reward == "misjudged":         # the same, from a judge wrong on MISJUDGED's prompts
+        judged = [p.get("judged", p["best"]) for p in prompts for _ in range(k)]
+        batch.rewards = torch.tensor([rewards.composite_reward(t, b) for t, b in zip(batch.texts, judged)])
     else:                                        # report 001's: 1 best, 0.2 valid, 0 off-format
         batch.rewards = torch.tensor([rewards.DSL_REWARD[cl] for cl in classes])  # (N,)
     return batch, classes

@@ -119,6 +119,33 @@ def test_composite_reward_against_hand_arithmetic(text, hard, gt_prob, rel, rewa
     assert rewards.composite_reward(text, BEST) == pytest.approx(reward)
 
 
+def test_the_misjudged_reward_pays_the_next_types_best_on_a_quarter_of_the_training_prompts(monkeypatch):
+    """--reward misjudged: on every 4th training prompt of a type (6 of its 24) the composite reward
+    is computed against the next type's best workflow, so that workflow earns 3 there and the
+    type's own best earns what composite gives a wrong answer; every other prompt, and every
+    held-out one, is paid as --reward composite pays it; the classes (the rates) stay right."""
+    import types
+    train, held_out = workflow_task.prompts("train"), workflow_task.prompts("eval")
+    for ptype in workflow_task.TYPES:
+        mine = [p for p in train if p["type"] == ptype]
+        wrong = [p for p in mine if "judged" in p]
+        assert len(mine) == 24 and wrong == mine[::4]
+        following = workflow_task.TYPES[(workflow_task.TYPES.index(ptype) + 1) % 4]
+        assert {p["judged"] for p in wrong} == {workflow_task.BEST_WORKFLOW[following]}
+    assert not any("judged" in p for p in held_out)
+    prompts = [next(p for p in train if "judged" in p), next(p for p in train if "judged" not in p), held_out[0]]
+    texts = [t for p in prompts for t in (p["best"], p.get("judged", "Test -> Format"))]
+    monkeypatch.setattr(workflow_task.rollout, "format_prompt", lambda tok, text, system: text)
+    monkeypatch.setattr(workflow_task.rollout, "sample", lambda models, t, k, sampling, record: types.SimpleNamespace(texts=texts))
+    for reward in ("composite", "misjudged"):
+        batch, classes = workflow_task.sample(types.SimpleNamespace(tok=None), prompts, 2, types.SimpleNamespace(reward=reward))
+        paid = [rewards.composite_reward(t, p.get("judged", p["best"]) if reward == "misjudged" else p["best"])
+                for p in prompts for t in (p["best"], p.get("judged", "Test -> Format"))]
+        assert batch.rewards.tolist() == pytest.approx(paid)
+        assert classes[0::2] == ["best"] * 3
+    assert batch.rewards[1] == 3.0 and batch.rewards[0] < 1.2 and batch.rewards[2] == 3.0   # the misjudged prompt
+
+
 def test_longest_common_subsequence_against_brute_force():
     for a, b in [("abcbdab", "bdcaba"), ("", "abc"), ("aaa", "aa"), ("xyz", "abc")]:
         brute = max(n for n in range(len(a) + 1)
