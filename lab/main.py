@@ -33,14 +33,14 @@ from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime, monitor_warning
-from lab.report003 import kl_range, rce_grpo
+from lab.report003 import kl_range, kl_regime, rce_grpo
 from lab import real, real_collapse, stats
 from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
                "probe_001": probe_001, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip, "grad_clip_regime": grad_clip_regime,
-               "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "rce_grpo": rce_grpo, "tools": tools,
+               "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "kl_regime": kl_regime, "rce_grpo": rce_grpo, "tools": tools,
                "curriculum": curriculum, "tools_ppo": tools_ppo, "entropy": entropy,
                "monitor": monitor_warning,
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,

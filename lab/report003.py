@@ -6,6 +6,7 @@ from pathlib import Path
 
 from lab import compare
 from lab import figures
+from lab import stats
 from running import plots
 from lab.common import Lab, mean, end, metric_rows
 
@@ -46,6 +47,68 @@ def kl_range(lab: Lab) -> dict:
                 verdict="reproduced" if floor and worse else
                 "partly: beta falls to its floor, but the run ends no worse than with 0.05/0.2 beyond the spread "
                 "over seeds" if floor else "not reproduced")
+
+
+# ---- 8b. The same, in report 003's regime: a strong baseline, a reward partly misaligned ----
+
+def kl_regime(lab: Lab) -> dict:
+    """Report 003's range rule where its run started: from a strong baseline, on a reward partly
+    misaligned with the held-out metric, 20 seeds an arm (003).
+
+    Stage 1: the baseline, one GRPO run of the main job's settings (150 steps, seed 0) that
+    learns the task, its checkpoint kept. Stage 2, from it (--init-from: it is also the KL's
+    reference): GRPO on --reward misjudged (report 003's composite reward from a judge wrong on
+    a quarter of the training prompts), 5 epochs a batch as kl_range, beta from 10 (the report's
+    start) under the range rule with the report's targets 0.01/0.1 and its fix 0.05/0.2."""
+    base = lab.sweep("kl_regime/baseline", ["--k 8 --norm global --steps 150 --save-every 150"], "--lr 1e-3",
+                     ("eval_best_rate",), seeds=range(1))
+    start = Path(next(iter(base.values()))[0]["out"])
+    arms = {"0.01/0.1": "--kl-target-min 0.01 --kl-target-max 0.1",
+            "0.05/0.2": "--kl-target-min 0.05 --kl-target-max 0.2"}
+    r = lab.sweep("kl_regime", list(arms.values()),
+                  f"--k 8 --norm global --reward misjudged --epochs 5 --steps 60 --lr 1e-3 --eval-every 10 "
+                  f"--kl-control range --kl-coef 10 --init-from {start}",
+                  ("eval_best_rate", "kl_coef", "reward_mean", "eval_answer_nll"), seeds=range(20))
+    runs = {arm: r[lab.shrink(flags)] for arm, flags in arms.items()}
+    end_best = {arm: [x["eval_best_rate_end"] for x in rs] for arm, rs in runs.items()}
+    baseline = mean(x["eval_best_rate_start"] for rs in runs.values() for x in rs)   # one checkpoint, one seeded evaluation
+    rows = {arm: [metric_rows(x) for x in rs] for arm, rs in runs.items()}
+    floor = sum(min(x["kl_coef"] for x in rs[1:] if x.get("kl_coef") is not None) <= 0.002 for rs in rows["0.01/0.1"])
+    climbed = {arm: mean(rs[-1]["reward_mean"] - rs[1]["reward_mean"] for rs in arm_rows)
+               for arm, arm_rows in rows.items()}
+    kept = {arm: mean(x["eval_best_rate_best"] - x["eval_best_rate_end"] for x in rs) for arm, rs in runs.items()}
+    # rule (written before the first run): report 003's regime on the toy: a strong baseline (a
+    # GRPO run of the main job's settings, 150 steps, seed 0), then GRPO from it on a reward
+    # partly misaligned with the held-out metric (--reward misjudged), 5 epochs a batch, 60
+    # steps, beta from 10 under the range rule, 20 seeds an arm (0-19). Two claims, each by a
+    # one-sided exact test at alpha 0.05 on the held-out best at the end: 1. under 0.01/0.1 the
+    # run ends below the baseline (the sign-flip test of baseline - end over its 20 runs; it
+    # detects a mean fall of 0.56 sd with power 0.8); 2. the targets 0.05/0.2 fix it: 0.05/0.2
+    # ends above 0.01/0.1 (the permutation test, 20 runs against 20). Beside them, measured, not
+    # tested: the mechanism the report names (runs under 0.01/0.1 whose beta reached the floor,
+    # <= 0.002), the misjudged reward's rise, and what early stopping would keep (best - end).
+    # Verdict: "reproduced" if both claims hold; "partly: (the one that holds)" if one; if
+    # neither, "not reproduced" when 0.01/0.1's mean end is at or above the baseline (no fall to
+    # fix), else "inconclusive".
+    p_fall = stats.sign_flip([baseline - v for v in end_best["0.01/0.1"]])
+    p_fix = stats.permutation(end_best["0.05/0.2"], end_best["0.01/0.1"])
+    holds = [claim for claim, p in (("0.01/0.1 ends below the baseline", p_fall),
+                                    ("0.05/0.2 ends above 0.01/0.1", p_fix)) if p < stats.ALPHA]
+    n = len(end_best["0.01/0.1"])
+    return dict(report="003", figure="kl_regime/compare.png",
+                claim="from a good baseline, GRPO under the range rule with kl_target_min 0.01 lowered beta to "
+                      "0.001 and ended below the baseline; targets 0.05/0.2 fix it",
+                measured=f"held-out best rate: the baseline {baseline:.3f}; at the end, range 0.01/0.1 "
+                         f"{mean(end_best['0.01/0.1']):.3f} (below the baseline in "
+                         f"{sum(v < baseline for v in end_best['0.01/0.1'])}/{n} runs; sign-flip p = "
+                         f"{stats.p_value(p_fall)}), range 0.05/0.2 {mean(end_best['0.05/0.2']):.3f} (above "
+                         f"0.01/0.1: permutation p = {stats.p_value(p_fix)}); runs under 0.01/0.1 whose beta reached "
+                         f"the floor (<= 0.002): {floor}/{n}; the misjudged reward's rise over the run (rollout mean, "
+                         f"step 1 to the end): " + ", ".join(f"{a} {v:+.2f}" for a, v in climbed.items()) +
+                         "; held-out best lost between the best evaluation and the end (what early stopping "
+                         "keeps): " + ", ".join(f"{a} {v:.3f}" for a, v in kept.items()),
+                verdict="reproduced" if len(holds) == 2 else f"partly: {holds[0]}" if holds
+                else "not reproduced" if mean(end_best["0.01/0.1"]) >= baseline else "inconclusive")
 
 
 # ---- 9. RCE, then GRPO; early stopping; every checkpoint against the baseline (report 003) ----
