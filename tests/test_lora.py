@@ -1,0 +1,92 @@
+"""LoRA (lora.py): the adapters start at zero, train alone, and switched off give back the model
+RL started from, bit for bit: the reference for free."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lora
+from conftest import tiny_model
+
+IDS = torch.tensor([[3, 7, 2, 9, 4, 11], [5, 5, 8, 2, 13, 6]])
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def trained(rank: int = 2, steps: int = 3):
+    """A tiny model, an untouched copy of it, and the model after `steps` AdamW steps on its
+    adapters alone (pushing up the log-probability of IDS's tokens)."""
+    model = tiny_model()
+    base = copy.deepcopy(model)
+    lora.add_adapters(model, rank, alpha=32)
+    opt = torch.optim.AdamW(lora.adapter_parameters(model), lr=1e-2)
+    for _ in range(steps):
+        out = model(IDS, labels=IDS)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return model, base
+
+
+@pytest.mark.lesson
+def test_the_reference_is_the_policy_with_its_adapters_off_bit_for_bit():
+    """After three updates the adapted policy has moved, and with its adapters off it computes
+    exactly what an untouched copy computes: under LoRA the reference model costs no memory."""
+    model, base = trained()
+    assert not torch.allclose(logits(model), logits(base), atol=1e-3), "the adapters did not move the policy"
+    with lora.adapters_off(model):
+        assert torch.equal(logits(model), logits(base)), "the base with its adapters off is not the untouched copy"
+    assert not torch.allclose(logits(model), logits(base), atol=1e-3), "adapters_off did not restore the adapters"
+
+
+def test_the_adapters_start_at_zero_so_the_first_forward_is_the_base_models_exactly():
+    model = tiny_model()
+    base = logits(model)
+    n = lora.add_adapters(model, 4, alpha=32)
+    assert n == 7                            # q, k, v, o, gate, up, down of the one layer; not the tied head
+    assert torch.equal(logits(model), base)
+    assert all(torch.count_nonzero(m.lora_B) == 0 for m in lora.adapters(model))
+
+
+def test_a_lora_layer_computes_what_peft_computes():
+    """peft's Linear.forward: result = base_layer(x) + lora_B(lora_A(dropout(x))) * scaling, with
+    lora_A = nn.Linear(in, r, bias=False), lora_B = nn.Linear(r, out, bias=False) and scaling =
+    alpha / r; re-implemented here with B made non-zero."""
+    torch.manual_seed(0)
+    base = nn.Linear(12, 5)
+    layer = lora.LoRALinear(copy.deepcopy(base), rank=3, alpha=16)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    a, b = nn.Linear(12, 3, bias=False), nn.Linear(3, 5, bias=False)
+    a.weight.data, b.weight.data = layer.lora_A.data.clone(), layer.lora_B.data.clone()
+    x = torch.randn(4, 7, 12)
+    assert torch.allclose(layer(x), base(x) + b(a(x)) * (16 / 3), atol=1e-6)
+    assert torch.allclose(layer.delta(), b.weight @ a.weight * (16 / 3))
+
+
+def test_gradients_reach_only_the_adapters_and_they_are_r_times_in_plus_out_a_layer():
+    model = tiny_model()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model.get_output_embeddings()]
+    lora.add_adapters(model, 2, alpha=32)
+    model(IDS, labels=IDS).loss.backward()
+    adapted = {id(p) for p in lora.adapter_parameters(model)}
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters() if id(p) not in adapted)
+    assert all(m.lora_B.grad.abs().sum() > 0 for m in lora.adapters(model))   # A's is 0 while B is 0
+    assert sum(p.numel() for p in lora.adapter_parameters(model)) == sum(2 * (m.in_features + m.out_features)
+                                                                          for m in linears)
+
+
+def test_merged_is_an_ordinary_model_that_computes_what_the_adapted_one_does():
+    """W + (alpha / r) B A folded into each layer: the base model's keys and shapes, the adapted
+    model's logits (to float32 rounding), and the adapted model left as it was."""
+    model, base = trained()
+    before = logits(model)
+    plain = lora.merged(model)
+    assert not lora.adapters(plain) and lora.adapters(model)
+    assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
+    assert torch.allclose(logits(plain), before, atol=1e-5)
+    assert torch.equal(logits(model), before)
