@@ -24,26 +24,47 @@ What LoRA changes in RL:
 - An export merges: W' = W + (alpha / r) B A is an ordinary linear layer (`merged`), which
   plain transformers loads.
 
+    python train.py --lora-rank 1 --k 8 --norm global --steps 60      # the tiny model, rank 1
+
 The lesson as a test: `python -m pytest -q tests/test_lora.py -m lesson`.
 """
 import contextlib
 import copy
 import math
+import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 
+@dataclass
+class Knobs:
+    """LoRA: a low-rank change of every linear layer trained, the model's weights frozen."""
+    lora_rank: int = field(default=0, metadata={"help": "train LoRA adapters of this rank on every linear layer but "
+                           "the LM head, the weights frozen; the reference is the policy without them; 0 = train "
+                           "every weight", "min": 0, "max": 4096})
+    lora_alpha: float = field(default=32.0, metadata={"help": "the adapters' change is scaled by alpha / rank "
+                              "(TRL's GRPO docs: 32)", "min": 1e-6, "max": 1e6, "flag": False})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.lora_rank and "WORLD_SIZE" in os.environ:
+        yield "lora-rank", "not under torchrun yet: one process only (DDP with adapters is not tested)"
+
+
 class LoRALinear(nn.Module):
     """A frozen nn.Linear W and its trained low-rank change: W x + (alpha / r) B A x."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None):
         super().__init__()
         self.base = base.requires_grad_(False)
         self.scale = alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        a = torch.empty(rank, base.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)   # as nn.Linear (and peft) initialise
+        self.lora_A = nn.Parameter(a.to(base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))     # as nn.Linear (and peft) initialise
         self.enabled = True                  # adapters_off turns it off: the base layer alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                          # x (..., in)
@@ -58,16 +79,18 @@ class LoRALinear(nn.Module):
         return self.scale * self.lora_B @ self.lora_A
 
 
-def add_adapters(model: nn.Module, rank: int, alpha: float) -> int:
+def add_adapters(model: nn.Module, rank: int, alpha: float, seed: int = 0) -> int:
     """Freeze every weight of model and put a LoRALinear around each of its nn.Linear layers but
     the output head (the LM head, often the input embedding's own matrix); returns how many.
-    In place: the model object stays the one the caller holds."""
+    In place: the model object stays the one the caller holds. The A's are drawn from their own
+    generator (seed), so a run's adapters do not depend on what drew random numbers before."""
+    generator = torch.Generator().manual_seed(seed)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     model.requires_grad_(False)
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child is not head]
     for parent, name, child in targets:
-        setattr(parent, name, LoRALinear(child, rank, alpha))
+        setattr(parent, name, LoRALinear(child, rank, alpha, generator))
     return len(targets)
 
 
@@ -80,11 +103,24 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in adapters(model) for p in (m.lora_A, m.lora_B)]
 
 
+def adapter_state(model: nn.Module) -> dict:
+    """Every A and B by its state-dict name: what a checkpoint of a LoRA run must keep besides
+    the weights the run started from."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k.rsplit(".", 1)[-1] in ("lora_A", "lora_B")}
+
+
+def load_adapter_state(model: nn.Module, state: dict) -> None:
+    """adapter_state's dict back into model; KeyError when they are not the same adapters."""
+    if set(state) != set(adapter_state(model)):
+        raise KeyError("the checkpoint's adapters are not this model's")
+    model.load_state_dict(state, strict=False)
+
+
 @contextlib.contextmanager
-def adapters_off(model: nn.Module):
+def adapters_off(model: nn.Module | None):
     """The base model inside the block: every adapter skipped, so the model computes what it
-    computed before RL (the reference policy). A model without adapters is left as it is."""
-    layers = adapters(model)
+    computed before RL (the reference policy). A model without adapters (or None) is left as it is."""
+    layers = adapters(model) if model is not None else []
     before = [m.enabled for m in layers]
     for m in layers:
         m.enabled = False

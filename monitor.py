@@ -21,8 +21,10 @@ class Knobs:
     """Report 002's monitor: alerts on entropy, KL and reward swings, and the collapse count."""
     alert_entropy: float = field(default=0.5, metadata={"help": "alert when the token-mean entropy falls below "
                                                         "this (report 002)", "min": 0, "flag": False})
+    # a field, not a flag: report 002's thresholds fire on healthy runs too (the lab's `monitor`), so
+    # stopping on them would stop healthy runs
     stop_on_alert: bool = field(default=False, metadata={"help": "stop the run (with a checkpoint) at the "
-                                                         "monitor's first alert"})
+                                                         "monitor's first alert", "flag": False})
 
 
 

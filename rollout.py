@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+import lora
 import mismatch
 import shared_prefix
 import tool_env
@@ -37,11 +38,10 @@ class Knobs:
 
 @dataclass
 class Models:
-    """The policy and its tokenizer; the frozen reference (with a KL term), PPO's critic and a
-    sampler that is not the policy (mismatch.RolloutPolicy), or None."""
+    """The policy, its tokenizer; the frozen reference, PPO's critic, a sampler not the policy, or None."""
     model: nn.Module
     tok: object
-    ref: nn.Module | None = None
+    ref: nn.Module | None = None              # with a KL term; under LoRA the policy itself (lora.py)
     value_head: nn.Module | None = None
     sampler: nn.Module | None = None
 
@@ -116,8 +116,7 @@ class Rollout:
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """(N, C) long: 1 up to and including the first EOS of each row, 0 after it.
-    A row with no EOS (cut at max_new_tokens) is all ones."""
+    """(N, C) long: 1 up to and including each row's first EOS, 0 after it (all ones with no EOS)."""
     is_eos = (completion_ids == eos_id).long()                      # (N, C)
     eos_before = is_eos.cumsum(1) - is_eos                          # EOS strictly before t
     return (eos_before == 0).long()                                 # (N, C)
@@ -243,7 +242,8 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
         return torch.cat(logps), (torch.cat(values) if critic is not None else None)
     if record_old_logp or models.value_head is not None:
         batch.old_logp, batch.old_values = forward(models.model, models.value_head)       # (N, C) each
-    batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None          # (N, C)
+    with lora.adapters_off(models.ref):        # LoRA: the reference is the policy, its adapters off
+        batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None      # (N, C)
     return batch
 
 

@@ -41,6 +41,7 @@ import diagnostics
 import dynamic_sampling
 import grpo
 import kl
+import lora
 import mismatch
 import ppo
 import rce
@@ -61,8 +62,14 @@ from models import pretrained
 def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
     """The reference: the policy RL starts from, frozen (the warm start; with --init-from the
     first stage's weights, as TRL and verl take the initial policy), kept only when beta > 0.
+    With --lora-rank the policy's weights are frozen and adapters trained beside them (lora.py):
+    the reference is then the policy itself with its adapters off, no copy.
     The optimizer: AdamW without weight decay (or plain SGD, --optimizer sgd), over param_groups."""
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    if cfg.lora_rank:
+        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        ref = model if cfg.beta > 0 else None                  # rollout.score_logprobs turns its adapters off
+    else:
+        ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
     groups = param_groups(cfg, model, critic)
     if cfg.optimizer == "sgd":
         return ref, torch.optim.SGD(groups, lr=cfg.lr)
@@ -70,12 +77,14 @@ def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
 
 
 def param_groups(cfg: Config, model, critic) -> list:
-    """The policy's parameters; PPO's critic (a value head or a network) in a group of its own at
-    --critic-lr, clipped on its own (update.optimizer_step), unless a shared head at --lr."""
+    """The policy's trained parameters (under LoRA its adapters alone); PPO's critic (a value head
+    or a network) in a group of its own at --critic-lr, clipped on its own (update.optimizer_step),
+    unless a shared head at --lr."""
+    trained = [p for p in model.parameters() if p.requires_grad]
     if critic is None or (cfg.critic == "shared" and cfg.critic_lr in (0, cfg.lr)):
-        return [{"params": list(model.parameters()) + (list(critic.parameters()) if critic else [])}]
+        return [{"params": trained + (list(critic.parameters()) if critic else [])}]
     scale = (cfg.critic_lr or cfg.lr) / cfg.lr
-    return [{"params": list(model.parameters())},
+    return [{"params": trained},
             {"params": list(critic.parameters()), "lr": cfg.lr * scale, "lr_scale": scale}]
 
 

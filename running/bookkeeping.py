@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 
 import diagnostics
 import logprobs
+import lora
 import rollout
 from running import checkpoint, distributed, evaluate, report
 
@@ -236,6 +237,9 @@ def save(run: Run) -> Path | None:
     whole = {"optimizer": run.learner.optimizer.state_dict(),
              "loop": dataclasses.asdict(dataclasses.replace(state, seconds=state.seconds + time.time() - run.started)),
              "controllers": {name: c.state_dict() for name, c in run.controllers.items()}}
+    policy = models.model
+    if lora.adapters(models.model):       # LoRA: the adapters kept whole, the weights merged (plain transformers loads them)
+        whole["adapters"], policy = lora.adapter_state(models.model), lora.merged(models.model)
     path = None
     if not logprobs.forward_is_finite(models.model):
         # blown-up weights would become the newest checkpoint, the one --resume picks
@@ -244,12 +248,12 @@ def save(run: Run) -> Path | None:
     else:
         try:
             try:
-                path = checkpoint.save(run.out, state.step, models.model, models.tok, whole, run.rng)
+                path = checkpoint.save(run.out, state.step, policy, models.tok, whole, run.rng)
             except (OSError, RuntimeError, SafetensorError):
                 if not checkpoint.release(run.out):       # the room held for this (session.start): once
                     raise
                 run.warn(f"step {state.step}: the disk is full; the room held for a checkpoint is used for it")
-                path = checkpoint.save(run.out, state.step, models.model, models.tok, whole, run.rng)
+                path = checkpoint.save(run.out, state.step, policy, models.tok, whole, run.rng)
         except (OSError, RuntimeError, SafetensorError) as e:         # torch.save's failures are RuntimeErrors
             state.failed_saves += 1
             need, free = checkpoint_bytes(run), shutil.disk_usage(run.out).free

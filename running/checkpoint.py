@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+import lora
+
 STATE_FILE = "trainer_state.pt"
 
 
@@ -405,18 +407,29 @@ def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) 
 
 def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
     """Load weights, optimizer and RNG states from a checkpoint; return the rest of its dict
-    ("step", "loop", "controllers"). Nothing is changed unless everything loads."""
-    weights = read_weights(ckpt, model)
+    ("step", "loop", "controllers"). Nothing is changed unless everything loads. A LoRA run's
+    checkpoint restores its adapters alone: model holds the weights the run started from, which
+    never moved (its weights files hold them merged with the adapters, for export)."""
     state = torch.load(Path(ckpt) / STATE_FILE, weights_only=True)
     if "controllers" not in state:         # an older train.py's checkpoint: not read by guesswork
         raise ResumeError("written by an older version of train.py; start the run again")
+    if ("adapters" in state) != bool(lora.adapters(model)):
+        raise ResumeError("its run trained LoRA adapters and this one does not, or the other way round")
+    weights = read_weights(ckpt, model) if "adapters" not in state else None
     before = optimizer.state_dict()
     try:
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError, RuntimeError):
         optimizer.load_state_dict(before)
         raise
-    model.load_state_dict(weights)
+    try:
+        if weights is None:
+            lora.load_adapter_state(model, state["adapters"])
+        else:
+            model.load_state_dict(weights)
+    except (KeyError, RuntimeError):
+        optimizer.load_state_dict(before)
+        raise
     rng.setstate(_as_tuple(state["python_rng"]))
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] and torch.cuda.is_available():

@@ -23,6 +23,7 @@ import dynamic_sampling
 import entropy_control
 import grpo
 import kl
+import lora
 import mismatch
 import monitor
 import ppo
@@ -109,11 +110,12 @@ class Run:
 # The lessons whose knobs are flags, in the course's order: each defines its own (Knobs: the
 # field, its default, its help) and its checks (problems); --help shows them in this order.
 LESSONS = (advantages, grpo, surrogates, update, schedules, kl, entropy_control, rewards, rollout, mismatch, ppo,
-           rce, dynamic_sampling, monitor)
+           rce, dynamic_sampling, monitor, lora)
 
 
 @dataclass
-class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, *grpo.KNOBS):
+class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, lora.Knobs,
+             *grpo.KNOBS):
     """Every flag: the run's own (Run) and each lesson's (its Knobs)."""
 
     # derived sizes, computed in one place

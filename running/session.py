@@ -221,8 +221,8 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         model, tok = load(cfg, task, device, log, init)
     value_head = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
         ppo.ValueHead(model.config.hidden_size).to(device)                # PPO's critic (ppo.py)
-    scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
     ref, optimizer = build(cfg, model, value_head)   # load() returns the policy RL starts from, also on resume
+    scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
     # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")

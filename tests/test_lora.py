@@ -90,3 +90,58 @@ def test_merged_is_an_ordinary_model_that_computes_what_the_adapted_one_does():
     assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
     assert torch.allclose(logits(plain), before, atol=1e-5)
     assert torch.equal(logits(model), before)
+
+
+# ---- train.py --lora-rank ----
+
+def metrics(run) -> list:
+    import json
+    return [json.loads(line) for line in open(run / "metrics.jsonl")]
+
+
+def test_a_lora_run_starts_at_kl_0_trains_only_adapters_and_its_checkpoint_loads_in_plain_transformers(tmp_path):
+    """--lora-rank 2 --beta 0.04: the first step's KL to the reference is exactly 0 (B = 0: the
+    policy is the reference), later ones are not (the adapters moved, the reference did not);
+    the optimizer holds the adapters alone (two tensors for each of the 7 linear layers); the
+    checkpoint's weights are the merged policy, an ordinary Qwen2 folder, and its adapters
+    applied to the warm start give the same logits."""
+    import train
+    from running import config
+    from transformers import AutoModelForCausalLM
+    from conftest import quick
+    cfg = config.parse_config(quick(tmp_path, "lora", "--lora-rank", "2", "--beta", "0.04", "--lr", "1e-2",
+                                    "--entropy-coef", "0.01", "--steps", "3", "--save-every", "3"))
+    train.train(cfg)
+    kl = [r["kl"] for r in metrics(tmp_path / "lora")[1:]]
+    assert kl[0] == 0.0 and all(k > 0 for k in kl[1:]), kl
+    ckpt = tmp_path / "lora" / "checkpoints" / "step-000003"
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert len(state["optimizer"]["param_groups"][0]["params"]) == 2 * 7 == len(state["adapters"])
+    plain = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert not lora.adapters(plain)
+    import tasks
+    from running import session
+    base, _ = session.load(cfg, tasks.TASKS[cfg.task], "cpu", log=lambda s: None)    # the warm start, as the run loaded it
+    lora.add_adapters(base, 2, 32)
+    lora.load_adapter_state(base, state["adapters"])
+    ids = torch.tensor([[3, 7, 2, 9]])
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, base(ids).logits, atol=1e-5)
+
+
+def test_a_lora_run_resumed_equals_one_that_was_not_interrupted(tmp_path):
+    """Its checkpoint keeps the adapters (the weights never moved; load() gives them back): a run
+    stopped after 3 steps and resumed to 6 writes the metrics of one run through 6."""
+    import train
+    from running import config
+    from conftest import quick, WARM_STARTS
+    argv = ["--lora-rank", "2", "--beta", "0.04", "--lr", "1e-2", "--entropy-coef", "0.01"]   # the bonus: a gradient
+                                                                                 # even where every reward is 0
+    train.train(config.parse_config(quick(tmp_path, "whole", "--steps", "6", *argv)))
+    train.train(config.parse_config(quick(tmp_path, "cut", "--steps", "3", "--save-every", "3", *argv)))
+    train.train(config.parse_config(["--resume", str(tmp_path / "cut"), "--steps", "6"]))
+    whole, cut = metrics(tmp_path / "whole")[1:], metrics(tmp_path / "cut")[1:]
+    assert [r["step"] for r in cut] == [1, 2, 3, 4, 5, 6]
+    assert len({r["kl"] for r in whole}) > 2, "the adapters did not move: nothing to compare"
+    for key in ("reward_mean", "loss", "kl", "grad_norm", "entropy"):
+        assert [r[key] for r in cut] == pytest.approx([r[key] for r in whole], rel=1e-5), key
