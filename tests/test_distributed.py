@@ -133,6 +133,7 @@ def steps_logged(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow                  # a multi-process fault test, 20-35 s: the slow tier (README)
 def test_killed_rank_ends_the_job_with_an_intact_log_and_resume_continues(tmp_path):
     run = tmp_path / "run"
     flags = [*quick(tmp_path, "run"), "--steps", "60", "--save-every", "2"]
@@ -159,6 +160,7 @@ def test_killed_rank_ends_the_job_with_an_intact_log_and_resume_continues(tmp_pa
     assert summary["steps"] == logged[-1] + 3
 
 
+@pytest.mark.slow                  # a multi-process fault test, 20-35 s: the slow tier (README)
 def test_a_stopped_rank_ends_the_job_after_the_collective_timeout_naming_a_rank(tmp_path):
     """A rank stopped with kill -STOP hung the others forever; --collective-timeout
     bounds the wait and the job ends with the lost-contact line."""

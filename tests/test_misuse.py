@@ -764,6 +764,7 @@ def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
     exits_2(capsys, lambda: compare.checkpoints_main([str(tmp_path / "r"), "--out", str(tmp_path / "o")]), "is damaged")
 
 
+@pytest.mark.slow                  # a multi-process fault test, 20-35 s: the slow tier (README)
 def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_path):
     """a terminal's Ctrl-C reaches every process of the group; compare's idle worker
     processes printed tracebacks, and queued runs went on starting."""

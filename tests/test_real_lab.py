@@ -97,6 +97,7 @@ def processes_naming(text: str) -> list:
     return pids
 
 
+@pytest.mark.slow                  # a multi-process fault test, 20-35 s: the slow tier (README)
 @pytest.mark.skipif(sys.platform != "linux", reason="the child is told to die with its parent by Linux's prctl")
 def test_a_run_in_a_process_of_its_own_matches_this_process_and_dies_with_the_lab(tmp_path):
     """The real-model lab starts each run as a new process (compare.Launch(alone=True)): its

@@ -107,6 +107,7 @@ def test_non_finite_rewards_skip_the_update_and_are_never_averaged_in(tmp_path, 
 
 # ---- crash-safe logs and exact resume ----
 
+@pytest.mark.slow                  # a multi-process fault test, 20-35 s: the slow tier (README)
 def test_kill_9_mid_run_leaves_logs_that_parse_line_by_line_and_resume_matches(tmp_path):
     extra = ["--steps", "60", "--save-every", "5", "--eval-every", "7"]     # killed at step ~10
     argv = flags(tmp_path, "killed", *extra)
