@@ -275,8 +275,8 @@ def after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, str]]:
 # else the entry reads "inconclusive", the rule's letter beside it. Chosen by the claim's words,
 # not by the p-values: dynamic sampling is claimed for K=2 ("at K=2 most groups carry no
 # signal"); report 001's group-size claim is K=8 above K=2 at the same B; report 000's critic
-# claim is its own setting, a separate critic at 10x lr, above a shared one; report 002's is the fixed, large batch above
-# the dynamic lr; the SmolLM2 entropy verdict names adaptive entropy.
+# claim is its own setting, a separate critic at 10x lr, above a shared one; report 002's is the
+# fixed, large batch above the dynamic lr; the SmolLM2 entropy verdict names adaptive entropy.
 CLAIM_TEST = {"group_norm": "K=8/B=3 above K=2/B=3", "dynamic_sampling": "dynamic sampling above none, K=2/B=3",
               "critic": "a separate critic at 10x lr above a shared one",
               "fixed_vs_dynamic": "fixed, 128 samples a step, above a cosine lr, 32",

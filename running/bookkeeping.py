@@ -237,15 +237,15 @@ def save(run: Run) -> Path | None:
     whole = {"optimizer": run.learner.optimizer.state_dict(),
              "loop": dataclasses.asdict(dataclasses.replace(state, seconds=state.seconds + time.time() - run.started)),
              "controllers": {name: c.state_dict() for name, c in run.controllers.items()}}
-    policy = models.model
-    if lora.adapters(models.model):       # LoRA: the adapters kept whole, the weights merged (plain transformers loads them)
-        whole["adapters"], policy = lora.adapter_state(models.model), lora.merged(models.model)
     path = None
     if not logprobs.forward_is_finite(models.model):
         # blown-up weights would become the newest checkpoint, the one --resume picks
         run.log(f"step {state.step}: checkpoint not written: these weights give non-finite logits "
                 f"(newest good checkpoint: {checkpoint.find(run.out) or 'none'})")
     else:
+        policy = models.model
+        if lora.adapters(policy):        # LoRA: the adapters kept whole, the weights merged (plain transformers loads them)
+            whole["adapters"], policy = lora.adapter_state(policy), lora.merged(policy)
         try:
             try:
                 path = checkpoint.save(run.out, state.step, policy, models.tok, whole, run.rng)
