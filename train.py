@@ -35,6 +35,8 @@ import sys
 import time
 from typing import Callable
 
+from running import loading
+loading.quiet_ctrl_c("train.py: stopped (SIGINT) while loading; nothing was written")   # not a traceback
 import torch
 
 import diagnostics
@@ -55,6 +57,7 @@ from running.config import Config, fail, parse_config
 from running.session import Learner, Run, RankLost, open as open_run
 from running.session import stopped_at_once
 from models import pretrained
+loading.loaded()
 
 
 # ---- built once, before the first step (running/session.py calls it with the loaded policy) ----

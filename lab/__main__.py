@@ -1,9 +1,13 @@
 """`python -m lab`: run the lab (lab/main.py has the experiments' list and the command line)."""
 import sys
 
+from running import loading
+
+loading.quiet_ctrl_c("python -m lab: interrupted while loading; nothing was written")
 from lab import compare
 from lab.main import main
 
+loading.loaded()
 try:
     main()
 except KeyboardInterrupt:

@@ -511,17 +511,38 @@ def test_a_log_line_the_full_disk_refuses_is_said_counted_and_the_log_goes_on(tm
     assert [r["step"] for r in read(tmp_path / "m.jsonl")] == [0, 2]
 
 
-@pytest.mark.parametrize("after", [1.0, 8.0])
-def test_ctrl_c_in_bench_is_one_line_and_exit_130(after):
-    """Ctrl-C in the benchmark printed a traceback: during a run (8 s in), and while torch and
-    matplotlib were still loading (1 s in; a busy machine took 8 s to load them)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tools.bench", "--steps", "200"], cwd=ROOT, text=True,
+def ctrl_c_after(seconds: float, command: list) -> tuple[int, list]:
+    """SIGINT to `command` `seconds` after its start, as a terminal delivers it (a suite started
+    with & or nohup ignores SIGINT, and its children inherit that unless it is set back): its exit
+    code and its stderr's lines."""
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # as a terminal has it
-    time.sleep(after)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(seconds)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip().splitlines() == ["python -m tools.bench: interrupted; nothing was written"], err
+    return proc.returncode, err.strip().splitlines()
+
+
+@pytest.mark.parametrize("after", [0.5, 1.0, 8.0])
+def test_ctrl_c_in_bench_is_one_line_and_exit_130(after):
+    """Ctrl-C in the benchmark printed a traceback: during a run (8 s in), and while torch and
+    matplotlib were still loading (1 s in; a busy machine took 8 s to load them). Caught as a
+    KeyboardInterrupt while they loaded, it once ended by SIGINT (-2) after the one line, and
+    0.6 s in it broke numpy's import (AttributeError, exit 1): running/loading.py."""
+    code, err = ctrl_c_after(after, ["-m", "tools.bench", "--steps", "200"])
+    assert code == 130 and err == ["python -m tools.bench: interrupted; nothing was written"], err
+
+
+@pytest.mark.parametrize("command, line", [
+    (["train.py", "--steps", "3"], "train.py: stopped (SIGINT) while loading; nothing was written"),
+    (["-m", "lab", "group_norm"], "python -m lab: interrupted while loading; nothing was written")])
+def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path, command, line):
+    """Ctrl-C in train.py's or the lab's first seconds printed a 40-line traceback through
+    importlib and ended by SIGINT; half a second in, torch is still loading on any machine."""
+    code, err = ctrl_c_after(0.5, [*command, "--out", str(tmp_path / "out")])
+    assert code == 130 and err == [line], err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_run_that_could_write_no_checkpoint_says_so_even_quiet_and_exits_1(tmp_path, monkeypatch, capsys):

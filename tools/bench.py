@@ -37,15 +37,16 @@ import tempfile
 import time
 from pathlib import Path
 
-INTERRUPTED = "python -m tools.bench: interrupted; nothing was written"
-try:                                      # torch and matplotlib take seconds to load on a busy machine
-    import torch
+from running import loading
 
-    from models import pretrained
-    from running import checks, config, report
-except KeyboardInterrupt:                 # Ctrl-C while they load: the same one line as during a run
-    print(INTERRUPTED, file=sys.stderr)
-    sys.exit(130)
+INTERRUPTED = "python -m tools.bench: interrupted; nothing was written"
+loading.quiet_ctrl_c(INTERRUPTED)         # torch and matplotlib take seconds to load on a busy machine
+import torch
+
+from models import pretrained
+from running import checks, config, report
+
+loading.loaded()                          # from here a KeyboardInterrupt stops a run's subprocess first
 
 ROOT = Path(__file__).parent.parent          # the repository: workers run as `python -m tools.bench` there
 

@@ -1,0 +1,32 @@
+"""Ctrl-C in a command's first seconds, while torch, transformers and matplotlib load.
+
+Python raises KeyboardInterrupt wherever an import happens to be, and the libraries' imports are not
+written for it: most print a 40-line traceback through importlib; numpy's, interrupted, left numpy
+half-loaded and the command failed later with an AttributeError; and CI once saw a command print its
+own one line and still end by SIGINT (-2) rather than 130. So a command calls `quiet_ctrl_c(line)`
+before its heavy imports and `loaded()` after them: in between, Ctrl-C prints that one line and
+exits 130 at once (nothing has been written yet); after, KeyboardInterrupt works as before.
+"""
+import os
+import signal
+import sys
+
+_before = []                                  # the handler quiet_ctrl_c replaced, until loaded()
+
+
+def quiet_ctrl_c(line: str) -> None:
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:              # started with & or nohup: Ctrl-C is not this command's
+        return
+
+    def stop(*_):
+        print(line, file=sys.stderr, flush=True)
+        os._exit(130)
+
+    _before.append(before)
+    signal.signal(signal.SIGINT, stop)
+
+
+def loaded() -> None:
+    if _before:
+        signal.signal(signal.SIGINT, _before.pop())
