@@ -31,7 +31,6 @@ The lesson as a test: `python -m pytest -q tests/test_lora.py -m lesson`.
 import contextlib
 import copy
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -46,12 +45,6 @@ class Knobs:
                            "every weight", "min": 0, "max": 4096})
     lora_alpha: float = field(default=32.0, metadata={"help": "the adapters' change is scaled by alpha / rank "
                               "(TRL's GRPO docs: 32)", "min": 1e-6, "max": 1e6, "flag": False})
-
-
-def problems(cfg):
-    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
-    if cfg.lora_rank and "WORLD_SIZE" in os.environ:
-        yield "lora-rank", "not under torchrun yet: one process only (DDP with adapters is not tested)"
 
 
 class LoRALinear(nn.Module):

@@ -69,7 +69,9 @@ def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
     the reference is then the policy itself with its adapters off, no copy.
     The optimizer: AdamW without weight decay (or plain SGD, --optimizer sgd), over param_groups."""
     if cfg.lora_rank:
-        lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        if not lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed):
+            raise pretrained.ModelError("--lora-rank: the model has no nn.Linear layer to adapt besides its "
+                                        "head (GPT-2's are Conv1D); train every weight (--lora-rank 0)")
         ref = model if cfg.beta > 0 else None                  # rollout.score_logprobs turns its adapters off
     else:
         ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None

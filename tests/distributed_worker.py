@@ -2,8 +2,8 @@
 rollouts split over the ranks, prompts whole, and everything that must not depend on the
 number of ranks computed on this rank's share: the advantages of every estimator (with the
 sums over ranks, and without them), PPO's whitened advantages, one GRPO update's gradient for
-every loss aggregation (and with per-rank denominators), one PPO update's, and the step's
-metrics. Rank r saves them to OUT/rank{r}.pt; the test computes the one-process values on
+every loss aggregation (and with per-rank denominators), one PPO update's, one LoRA update's
+(the adapters' gradient; the weights frozen), and the step's metrics. Rank r saves them to OUT/rank{r}.pt; the test computes the one-process values on
 the whole batch (`one_process`) and compares. The K rows of a group share their prompt; the
 ranks encode it once per group (shared_prefix.py), the one-process reference once per row, so
 the comparison also shows the shared forward under DDP equal to the plain one.
@@ -28,6 +28,7 @@ import diagnostics  # noqa: E402
 from running import distributed  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
+import lora  # noqa: E402
 import ppo  # noqa: E402
 import update  # noqa: E402
 from tasks import workflow_task  # noqa: E402
@@ -85,20 +86,29 @@ def hyper(algo: str, agg: str, ranks: int) -> grpo.HyperParams:
                   beta=0.1, entropy_coef=0.01, loss_agg=agg, max_len=6, kl_in_reward=algo == "ppo")
 
 
-def gradient(batch, hp: grpo.HyperParams) -> tuple[torch.Tensor, dict]:
+def gradient(batch, hp: grpo.HyperParams, lora_rank: int = 0) -> tuple[torch.Tensor, dict]:
     """One update from the same starting weights (SGD at lr 0: the weights stay, the gradient
-    stays in .grad); the gradient over every parameter, flat, and the update's statistics."""
-    model = tiny_model().to(DEVICE)
+    stays in .grad); the gradient over every trained parameter, flat, and the update's statistics.
+    With lora_rank, adapters on the frozen model, their B's drawn (not zero, so A's gradient is
+    not zero either)."""
+    model = tiny_model()
+    if lora_rank:
+        lora.add_adapters(model, lora_rank, alpha=16.0, seed=1)
+        gen = torch.Generator().manual_seed(6)
+        for layer in lora.adapters(model):
+            layer.lora_B.data = 0.1 * torch.randn(layer.lora_B.shape, generator=gen)
+    model.to(DEVICE)
     head = ppo.ValueHead(model.config.hidden_size) if hp.algo == "ppo" else None
     if head is not None:
         torch.nn.init.normal_(head.linear.weight, std=0.1, generator=torch.Generator().manual_seed(5))
         head.to(DEVICE)
     scorer = distributed.replicate(logprobs.Scorer(model, head))
-    opt = torch.optim.SGD(scorer.parameters(), lr=0.0)
+    trained = [p for p in scorer.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trained, lr=0.0)
     if hp.algo == "ppo":
         ppo.prepare(batch, hp)
     stats = update.update(scorer, opt, batch, hp, ppo.loss if hp.algo == "ppo" else grpo.loss)
-    return torch.cat([p.grad.flatten() for p in scorer.parameters()]).cpu(), stats
+    return torch.cat([p.grad.flatten() for p in trained]).cpu(), stats
 
 
 def compute(batch, classes: list, ranks: int) -> dict:
@@ -117,6 +127,7 @@ def compute(batch, classes: list, ranks: int) -> dict:
     with mock.patch.object(update, "all_sum", lambda x: x), mock.patch.object(update, "world_size", lambda: 1):
         out["grad_per_rank_counts"], _ = gradient(batch, hyper("grpo", "token-mean", ranks))
     out["grad"]["ppo"], out["stats"]["ppo"] = gradient(batch, hyper("ppo", "token-mean", ranks))
+    out["grad"]["lora"], out["stats"]["lora"] = gradient(batch, hyper("grpo", "token-mean", ranks), lora_rank=2)
     batch.advantages = out["adv"]["group"].clone()
     out["metrics"] = diagnostics.rollout_metrics(batch, classes, workflow_task, hyper("grpo", "token-mean", ranks),
                                                  join=distributed.concat)

@@ -60,10 +60,11 @@ def test_ppo_whitening_over_every_ranks_tokens(ranks):
     torch.testing.assert_close(torch.cat([r0["whitened"], r1["whitened"]]), whole["whitened"])
 
 
-@pytest.mark.parametrize("update", [*grpo.AGGREGATIONS, "ppo"])
+@pytest.mark.parametrize("update", [*grpo.AGGREGATIONS, "ppo", "lora"])
 def test_gradient_after_one_update_on_two_ranks_equals_one_process(ranks, update):
     """DDP's all-reduced gradient, with the loss's denominators summed over ranks and the loss
-    scaled by W, is the one-process gradient; and both ranks hold the same one."""
+    scaled by W, is the one-process gradient; and both ranks hold the same one. lora: the
+    adapters' gradient, the base weights frozen (DDP syncs only what is trained)."""
     (r0, r1), whole = ranks
     torch.testing.assert_close(r0["grad"][update], whole["grad"][update], rtol=1e-4, atol=1e-6)
     assert torch.equal(r0["grad"][update], r1["grad"][update])
