@@ -5,6 +5,7 @@
     python -m tools.bench --config qwen0.5b --vs-trl          # on a GPU: a Qwen2.5-0.5B-shaped model
     python -m tools.bench logprobs                            # peak extra memory of logprobs.token_logprobs
     python -m tools.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
+    python -m tools.bench --model smollm2-135m --steps 4 --warmup 1 --lora-rank 1   # LoRA (lora.py)
     python -m tools.bench bf16                                # is bf16 faster than float32 on this machine?
     python -m tools.bench generate --config qwen0.5b --bf16  # plain generate against a static KV cache (compiled on a GPU)
     python -m tools.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
@@ -43,6 +44,7 @@ INTERRUPTED = "python -m tools.bench: interrupted; nothing was written"
 loading.quiet_ctrl_c(INTERRUPTED)         # torch and matplotlib take seconds to load on a busy machine
 import torch
 
+import lora
 from models import pretrained
 from running import checks, config, report
 
@@ -121,8 +123,12 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
     import tasks
     model, tok = build(cfg, model_name)
     model.to(device)
-    ref = copy.deepcopy(model).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    if cfg.get("lora_rank"):          # as train.py --lora-rank: the reference is the policy, its adapters off
+        lora.add_adapters(model, cfg["lora_rank"], alpha=32.0)
+        ref = model
+    else:
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     amp = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
     spent, peaks, growth = {}, {}, {}
 
@@ -145,7 +151,8 @@ def run_ours(cfg: dict, steps: int, bf16: bool, fast: bool, device: str, model_n
     score = rollout.completion_logprobs
 
     def which_logprobs(m, *a, **kw):          # the reference's forward, or the policy's old log-probs
-        name = "reference" if m is ref else "old_logprobs"
+        adapted = any(layer.enabled for layer in lora.adapters(m))
+        name = "reference" if m is ref and not adapted else "old_logprobs"
         return timed(name, score)(m, *a, **kw)
     rollout.completion_logprobs = which_logprobs
     opt.step = timed("optimizer", opt.step, memory=False)
@@ -289,7 +296,7 @@ def worker(args) -> dict:
         return run_logprobs(tuple(map(int, args.shape.split(","))), args.dtype, args.how)
     if args.worker == "warmstart":
         return run_warmstart(args.model, args.task, args.steps, args.warm_micro)
-    cfg = REAL if args.model else CONFIGS[args.config]
+    cfg = dict(REAL if args.model else CONFIGS[args.config], lora_rank=args.lora_rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker == "trl":
         return run_trl(cfg, args.steps, args.bf16, device, args.model)
@@ -384,7 +391,7 @@ def launch(args, who: str) -> dict:
     cmd = [sys.executable, "-m", "tools.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
            "--threads", str(args.threads), "--model", args.model, "--task", args.task] + ["--bf16"] * args.bf16 + \
         ["--plain"] * args.plain + ["--no-shared-prefix"] * args.no_shared_prefix + \
-        ["--each-prompt-whole"] * args.each_prompt_whole
+        ["--each-prompt-whole"] * args.each_prompt_whole + ["--lora-rank", str(args.lora_rank)] * (who == "ours")
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         sys.exit(f"python -m tools.bench: the {who} run failed:\n{out.stderr[-3000:]}")
@@ -422,6 +429,8 @@ def main(argv=None):
     p.add_argument("--task", default="dsl", choices=("dsl", "tools"),
                    help="--model: the DSL task's prompts (even-token reward, as TRL's run) or the tool task's "
                         "episodes (its own reward; not with --vs-trl)")
+    p.add_argument("--lora-rank", type=int, default=0, help="ours with LoRA adapters of this rank (alpha 32) "
+                   "on every linear layer, as train.py --lora-rank; 0 = every weight trained")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run; 0 = torch's default")
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--warm-micro", type=int, default=1, help="warmstart: examples per forward; 0 = the whole "
@@ -441,6 +450,10 @@ def main(argv=None):
                 f"{os.cpu_count()} cores at most), got {args.threads}")
     if args.pairs < 1:
         p.error(f"--pairs must be >= 1, got {args.pairs}")
+    if not 0 <= args.lora_rank <= 4096:
+        p.error(f"--lora-rank must be in [0, 4096], got {args.lora_rank}")
+    if args.lora_rank and args.vs_trl:
+        p.error("--lora-rank measures ours alone (TRL's LoRA goes through peft, not installed here); drop --vs-trl")
     if args.json and (Path(args.json).is_dir() or not (checks.writable(Path(args.json).parent) and
                       (not Path(args.json).exists() or os.access(args.json, os.W_OK)))):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
@@ -474,7 +487,7 @@ def main(argv=None):
             import trl  # noqa: F401
         except ImportError:
             p.error("--vs-trl needs TRL: pip install trl==1.16.0 (see docs/performance.md)")
-    cfg = REAL if args.model else CONFIGS[args.config]
+    cfg = dict(REAL if args.model else CONFIGS[args.config], lora_rank=args.lora_rank)
     ours, theirs = [], []
     for _ in range(args.pairs if args.vs_trl else 1):
         ours.append(summarise(launch(args, "ours"), args.warmup))
@@ -483,7 +496,8 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else f"cpu ({torch.get_num_threads()} threads)"
     print(f"{args.model or args.config}{' ' + args.task if args.model else ''}: B={cfg['b']} x K={cfg['k']}, "
           f"{cfg['new'] if args.task == 'dsl' else str(cfg['tool_turn']) + ' per turn'} new tokens, beta {BETA}, one update per "
-          f"step, {'bf16' if args.bf16 else 'fp32'}, {device}; medians of steps {args.warmup + 1}..{args.steps}")
+          f"step, {'bf16' if args.bf16 else 'fp32'}, {f'LoRA rank {args.lora_rank}' if args.lora_rank else 'every weight trained'}, "
+          f"{device}; medians of steps {args.warmup + 1}..{args.steps}")
     for i, o in enumerate(ours):
         split = "  ".join(f"{k} {v:.3f}" for k, v in o["split"].items())
         line = f"  ours{' (plain)' if args.plain else ''}{' (no shared prefix)' if args.no_shared_prefix else ''}{' (each prompt whole)' if args.each_prompt_whole else ''}: {o['s_per_step']:.3f} s/step  [{split}]  " \
