@@ -42,6 +42,17 @@ def test_bench_measures_a_step_of_ours(tmp_path):
     assert r["config"]["name"] == "tiny" and r["config"]["fast"]
 
 
+def test_bench_on_a_real_model_asks_the_dsl_tasks_own_prompts():
+    """`--model smollm2-135m` broke with a NameError when the prompt's format moved to rollout.py
+    (SmolLM2 is not on CI's machine; its prompts are, and the tiny tokenizer formats them)."""
+    import rollout
+    from tasks import workflow_task
+    _, tok = bench.build(bench.CONFIGS["tiny"])
+    chosen = bench.prompts(bench.REAL, 3, seed=0, tok=tok)
+    texts = {rollout.format_prompt(tok, p["text"], workflow_task.SYSTEM_PROMPT) for p in workflow_task.prompts("train")}
+    assert len(chosen) == 3 and set(chosen) <= texts
+
+
 def test_the_decode_floor_samples_from_the_logits_a_full_forward_gives():
     """The floor's prefill (the shared start once, each prompt's rest once) and bare decode loop
     must be the work sampling does: each step's logits equal those of one plain forward over

@@ -86,7 +86,7 @@ def build(cfg: dict, model_name: str = ""):
 def prompts(cfg: dict, n: int, seed: int, tok=None) -> list:
     rng = random.Random(seed)
     if "vocab" not in cfg:                      # a real model: the DSL task's prompts, chat-formatted
-        from models import policy
+        import rollout
         from tasks import workflow_task
         chosen = rng.sample(workflow_task.prompts("train"), n)
         return [rollout.format_prompt(tok, p["text"], workflow_task.SYSTEM_PROMPT) for p in chosen]
