@@ -158,3 +158,24 @@ def test_a_model_without_linear_layers_is_refused_in_one_line():
     with pytest.raises(pretrained.ModelError, match="no nn.Linear layer to adapt"):
         train.reference_and_optimizer(config.parse_config(["--lora-rank", "1"]), gpt2, None)
     assert not lora.adapters(tiny_model()) and lora.add_adapters(tiny_model(), 1, 32) == 7
+
+
+def test_with_adapters_the_shared_prefix_and_fast_change_how_a_step_is_computed_not_what(tmp_path):
+    """The shared-prompt forward (shared_prefix.py) and --fast (the old log-probs taken from the
+    update's own forward, micro-batches sorted by length) are the plain path's arithmetic in
+    another order: with adapters, 4 steps shared write the plain run's metrics, and --fast's
+    first step is the plain one's."""
+    import dataclasses
+    import train
+    from running import config
+    from conftest import quick
+    argv = ["--lora-rank", "2", "--beta", "0.04", "--lr", "1e-2", "--entropy-coef", "0.01", "--micro-batch", "4",
+            "--steps", "4", "--eval-every", "4", "--device", "cpu"]
+    train.train(dataclasses.replace(config.parse_config(quick(tmp_path, "plain", *argv)), no_shared_prefix=True))
+    train.train(config.parse_config(quick(tmp_path, "shared", *argv)))
+    train.train(config.parse_config(quick(tmp_path, "fast", *argv, "--fast")))
+    plain, shared, fast = (metrics(tmp_path / name)[1:] for name in ("plain", "shared", "fast"))
+    assert len({r["kl"] for r in plain}) > 2, "the adapters did not move: nothing to compare"
+    for key in ("reward_mean", "loss", "kl", "grad_norm", "entropy"):
+        assert [r[key] for r in shared] == pytest.approx([r[key] for r in plain], rel=1e-4, abs=1e-6), key
+        assert fast[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key

@@ -210,7 +210,9 @@ def test_the_null_run_logs_a_zero_mismatch_and_learns_as_before(tmp_path):
 @pytest.mark.parametrize("flags", [["--rollout-dtype", "bf16", "--rollout-correction", "tis"],
                                    ["--rollout-stale", "1", "--rollout-correction", "mis",
                                     "--rollout-correction-level", "sequence"],
-                                   ["--rollout-temperature", "1.5", "--rollout-correction", "tis"]])
+                                   ["--rollout-temperature", "1.5", "--rollout-correction", "tis"],
+                                   ["--lora-rank", "2", "--lr", "1e-2", "--rollout-stale", "1",
+                                    "--rollout-correction", "tis"]])      # the sampler holds old adapters
 def test_a_made_mismatch_is_logged_and_corrected(flags, tmp_path):
     from running import config
     import train
