@@ -1,5 +1,6 @@
 """The reports' central claims on a real model (SmolLM2-135M-Instruct), 3 seeds per setting, and
-two of them again over the 10 seeds the power analysis asks for (real_k_fair, real_entropy_held).
+two of them again over the 10 seeds the power analysis asks for (real_k_fair, real_entropy_held),
+and report 001's own setting, LoRA, over 10 seeds (real_lora).
 
     python -m lab --model smollm2-135m                  # all of them, into results/smollm2-135m/
     python -m lab --model smollm2-135m real_group_size  # one of them
@@ -29,7 +30,7 @@ from running import config, plots
 from tasks import workflow_task
 
 SEEDS = 3
-POWERED = {"real_k_fair": 10, "real_entropy_held": 10}   # seeds per setting, by the power analysis
+POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10}   # seeds per setting, by the power analysis
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
@@ -53,6 +54,13 @@ SETTINGS = {
     },
     "real_entropy_held": {            # against real_k_fair's K=8/B=3 runs
         "adaptive entropy": f"{K8} --entropy-target 0.2 {EVERY_PROMPT}",
+    },
+    # report 001's own setting, LoRA, against real_k_fair's K=8/B=3 runs (every weight trained at
+    # 2e-5): lr 10x full fine-tuning's, at every rank ("LoRA Without Regret": the best LoRA lr
+    # about 10x, nearly independent of the rank under alpha / r scaling, which lora.py uses)
+    "real_lora": {
+        "LoRA r=1": f"{K8} {EVERY_PROMPT} --lora-rank 1 --lr 2e-4",
+        "LoRA r=32": f"{K8} {EVERY_PROMPT} --lora-rank 32 --lr 2e-4",
     },
     "real_tools": {
         "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
@@ -322,6 +330,37 @@ def real_entropy_held(lab: RealLab, log=print) -> dict:
                 verdict=stats.decide(p))
 
 
+def real_lora(lab: RealLab, log=print) -> dict:
+    """LoRA r=1 and r=32 against real_k_fair's K=8/B=3 runs: does training adapters instead of
+    every weight change how often GRPO on SmolLM2 ends on one answer? (report 001's setting)"""
+    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log),
+            **{label: lab.runs("real_lora", label, log) for label in SETTINGS["real_lora"]}}
+    write_table(lab, "real_lora", runs, POWERED_COLUMNS)
+    one = {label: [r["eval_one_answer_end"] for r in rs] for label, rs in runs.items()}
+    full = one.pop("K=8, B=3")
+    # rule (written before the first run): for each rank, the mean share of the 64 held-out
+    # samples that are the commonest text at the end (eval_one_answer_end) differs from full
+    # fine-tuning's: two-sided permutation test, 10 runs an arm, alpha 0.025 each (0.05 over the
+    # two ranks, Bonferroni): "reproduced" (LoRA changes it) if p < 0.025, else "inconclusive".
+    # 10 runs an arm detect a difference of 0.37 at the K=8/B=3 pilot's sd 0.295 (1.0, 0.44,
+    # 0.88; lab.stats.detectable_mean) with power 0.8; 0.30 would need 16. The null: every run
+    # starts from one warm start, whose share is the step-0 evaluation, so a frozen policy's
+    # difference is 0. How soon a run collapses is not tested: these runs evaluate at the start
+    # and the end only.
+    p = {label: stats.two_sided(x, full) for label, x in one.items()}
+    return dict(report="001", figure="real_lora/compare.png",
+                claim="report 001 trained LoRA adapters, not every weight: does that change how often GRPO ends on "
+                      "one answer? (its setting, K=8/B=3, against full fine-tuning)",
+                measured="one answer at the end (share of 64 held-out samples): full fine-tuning "
+                         f"{compare.spread(full)}; " + "; ".join(
+                             f"{label} {compare.spread(x)} ({statistics.fmean(x) - statistics.fmean(full):+.3f}, "
+                             f"two-sided permutation p = {p[label]:.3f})" for label, x in one.items())
+                         + f" over {len(full)} seeds an arm; held-out best at the end "
+                         + ", ".join(f"{label} {spread(rs, 'eval_best_rate_end')}" for label, rs in runs.items())
+                         + f"; {at_warm_start(runs)}",
+                verdict="; ".join(f"{label}: {stats.decide(q, alpha=0.025)}" for label, q in p.items()))
+
+
 POWERED_COLUMNS = [("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),
                    ("one answer (end)", "eval_one_answer_end"), ("crash rate", "crash_rate"),
                    ("crash floor", "crash_floor")]
@@ -472,5 +511,6 @@ def real_monitor(lab: RealLab, log=print) -> dict:
                 verdict=verdict)
 
 
-EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
+EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held,
+               "real_lora": real_lora, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
                "real_monitor": real_monitor}

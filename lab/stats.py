@@ -59,6 +59,12 @@ def permutation(x: list, y: list, seed: int = 0) -> float:
     return (hits + 1) / RESAMPLES
 
 
+def two_sided(x: list, y: list) -> float:
+    """The two-sided p of "mean(x) differs from mean(y)": twice the smaller one-sided
+    permutation p, at most 1."""
+    return min(1.0, 2 * min(permutation(x, y), permutation(y, x)))
+
+
 def sign_flip(d: list, seed: int = 0) -> float:
     """The one-sided p of "the paired differences d are above 0 on average": the share of the
     2^n sign patterns whose mean is at least the observed one (exact up to n = 14; random

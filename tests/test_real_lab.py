@@ -146,12 +146,15 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     monkeypatch.setattr(real, "SETTINGS", {"real_k_fair": {"K=2, B=12": "--k 2 --batch 12 --steps 3",
                                                            "K=8, B=3": "--k 8 --batch 3 --steps 3"},
                                            "real_entropy_held": {"adaptive entropy": "--k 8 --batch 3 --steps 3 "
-                                                                                     "--entropy-target 0.2"}})
-    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3})
-    assert lab.seeds == 2 and real.estimate(lab, ["real_k_fair", "real_entropy_held"])[0] == 9
+                                                                                     "--entropy-target 0.2"},
+                                           "real_lora": {"LoRA r=1": "--k 8 --batch 3 --steps 3 --lora-rank 1 "
+                                                                     "--lr 2e-2"}})
+    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3, "real_lora": 3})
+    assert lab.seeds == 2 and real.estimate(lab, ["real_k_fair", "real_entropy_held", "real_lora"])[0] == 12
     fair = real.real_k_fair(lab, log=lambda s: None)
     held = real.real_entropy_held(lab, log=lambda s: None)
-    assert len(lab.calls) == 9                                    # the K=8 runs served both
+    lora = real.real_lora(lab, log=lambda s: None)
+    assert len(lab.calls) == 12                                   # the K=8 runs served all three
     end = {label: [json.loads((lab.out(name, label, s) / "summary.json").read_text()) for s in range(3)]
            for name, label in (("real_k_fair", "K=2, B=12"), ("real_k_fair", "K=8, B=3"),
                                ("real_entropy_held", "adaptive entropy"))}
@@ -163,3 +166,8 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     q = stats.fisher(one["K=8, B=3"], 3, one["adaptive entropy"], 3)
     assert f"one-sided Fisher p = {q:.3f}" in held["measured"]
     assert held["verdict"] == ("reproduced" if q < 0.05 else "inconclusive")
+    adapters = [json.loads((lab.out("real_lora", "LoRA r=1", s) / "summary.json").read_text())["eval_one_answer_end"]
+                for s in range(3)]
+    two = stats.two_sided(adapters, [r["eval_one_answer_end"] for r in end["K=8, B=3"]])
+    assert f"two-sided permutation p = {two:.3f})" in lora["measured"]
+    assert lora["verdict"] == f"LoRA r=1: {'reproduced' if two < 0.025 else 'inconclusive'}"

@@ -47,6 +47,13 @@ def test_the_permutation_test_equals_a_loop_over_every_ordering(x, y):
     assert stats.permutation(x, y) == pytest.approx(naive_permutation_p(x, y))
 
 
+def test_two_sided_by_hand():
+    """[1, 2, 3] against [4, 5, 6]: of the C(6, 3) = 20 splits only the observed one puts the
+    three largest on one side, so each one-sided p is 1/20 or 1, and the two-sided 2/20."""
+    assert stats.two_sided([1, 2, 3], [4, 5, 6]) == pytest.approx(0.1) == stats.two_sided([4, 5, 6], [1, 2, 3])
+    assert stats.two_sided([0.5, 0.5], [0.5, 0.5]) == 1.0                   # no difference: capped at 1
+
+
 def test_past_the_exact_limit_the_random_splits_land_within_their_error_of_the_exact_p():
     rng = random.Random(3)
     x = [rng.gauss(0.3, 0.2) for _ in range(10)]
