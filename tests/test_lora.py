@@ -179,3 +179,22 @@ def test_with_adapters_the_shared_prefix_and_fast_change_how_a_step_is_computed_
     for key in ("reward_mean", "loss", "kl", "grad_norm", "entropy"):
         assert [r[key] for r in shared] == pytest.approx([r[key] for r in plain], rel=1e-4, abs=1e-6), key
         assert fast[0][key] == pytest.approx(plain[0][key], rel=1e-4, abs=1e-6), key
+
+
+def test_init_from_a_lora_run_starts_from_its_merged_weights(tmp_path):
+    """A second stage --init-from a LoRA run's checkpoint starts from the merged policy (its
+    folder holds W + (alpha / r) B A): with fresh adapters (B = 0) its first rollouts are a
+    full fine-tuning run's from the same checkpoint, and not those of a run from the warm start."""
+    import train
+    from running import config
+    from conftest import quick
+    train.train(config.parse_config(quick(tmp_path, "stage1", "--lora-rank", "2", "--lr", "3e-2", "--entropy-coef",
+                                          "0.01", "--steps", "4", "--save-every", "4")))
+    stage1 = str(tmp_path / "stage1")
+    runs = {"lora": ["--init-from", stage1, "--lora-rank", "2"], "full": ["--init-from", stage1], "warm": []}
+    for name, argv in runs.items():
+        train.train(config.parse_config(quick(tmp_path, name, *argv, "--steps", "1", "--entropy-coef", "0.01")))
+    first = {name: metrics(tmp_path / name)[1] for name in runs}        # step 1, as sampled
+    for key in ("reward_mean", "entropy", "completions/mean_length"):
+        assert first["lora"][key] == pytest.approx(first["full"][key], rel=1e-6), key
+    assert first["lora"]["entropy"] != pytest.approx(first["warm"]["entropy"], rel=1e-3)
