@@ -35,7 +35,7 @@ def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path, capsys
 
 
 def test_bench_measures_a_step_of_ours(tmp_path):
-    bench.main(["--steps", "3", "--warmup", "1", "--json", str(tmp_path / "b.json")])
+    bench.main(["--steps", "2", "--warmup", "1", "--json", str(tmp_path / "b.json")])
     r = json.loads((tmp_path / "b.json").read_text())
     assert r["ours_s_per_step"] > 0 and r["ours_peak_mb"] > 0 and r["ours_tokens_per_s"] > 0
     assert set(r["ours_split"]) >= {"generate", "reference", "policy_fwd_bwd", "optimizer", "reward"}

@@ -388,6 +388,7 @@ def test_probe_after():
     pass
 
 
+@pytest.mark.slow           # a fault in a process of its own: 9-17 s (CI's 12 minutes)
 def test_sigterm_stops_the_test_suite_though_a_test_was_training_in_process(tmp_path):
     """pytest ignored SIGTERM while a test trained in-process: the run caught it, and the suite
     ran on. Now the suite stops after that test (conftest.sigterm_stops_the_suite), exit 143."""
@@ -663,6 +664,7 @@ def test_a_disk_filling_mid_run_with_no_checkpoint_yet_still_leaves_one_to_resum
     assert resumed["steps"] == 6 and [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 4, 5, 6]
 
 
+@pytest.mark.slow           # a fault in a process of its own: 9-17 s (CI's 12 minutes)
 def test_a_file_size_limit_stops_the_run_at_its_first_checkpoint_in_one_line(tmp_path):
     """ulimit -f (or FAT32's 4 GB): every checkpoint failed with "File too large" and the run
     trained on, writing nothing it could resume from. Now it stops there, saying why, exit 1."""
@@ -805,6 +807,7 @@ def test_ctrl_c_in_compare_with_worker_processes_is_one_line_and_exit_130(tmp_pa
     assert err.strip().splitlines()[-1] == "python -m lab.compare: interrupted; the finished runs' folders are kept"
 
 
+@pytest.mark.slow           # a fault in a process of its own: 9-17 s (CI's 12 minutes)
 def test_a_compare_worker_ends_when_its_parent_is_killed():
     """kill -9 of the lab (or a test runner's timeout) left compare's pool workers behind,
     orphans waiting forever (five were found an hour later). A worker now watches its parent
@@ -909,6 +912,7 @@ def test_a_run_whose_every_update_was_non_finite_ends_with_exit_1_and_says_so(tm
     assert "every update of this run was non-finite" in capsys.readouterr().err
 
 
+@pytest.mark.slow           # a fault in a process of its own: 9-17 s (CI's 12 minutes)
 def test_a_disk_with_no_room_at_the_start_is_one_line_and_exit_1(tmp_path):
     """A full disk when the run writes its config.json, before it could say so itself: a traceback."""
     code = ("import errno, runpy, sys; sys.path.insert(0, '.'); from running import checkpoint\n"
