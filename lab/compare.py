@@ -43,6 +43,9 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from running import loading
+
+loading.quiet_ctrl_c("python -m lab.compare: interrupted while loading; nothing was written")
 import matplotlib
 
 matplotlib.use("Agg")
@@ -62,6 +65,7 @@ import rollout
 import tasks
 import train
 
+loading.loaded()
 
 @dataclass(frozen=True)
 class Launch:

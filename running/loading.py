@@ -11,12 +11,15 @@ import os
 import signal
 import sys
 
-_before = []                                  # the handler quiet_ctrl_c replaced, until loaded()
+_before = []       # per quiet_ctrl_c: the handler its loaded() puts back (None: leave it as it is)
 
 
 def quiet_ctrl_c(line: str) -> None:
     before = signal.getsignal(signal.SIGINT)
-    if before is signal.SIG_IGN:              # started with & or nohup: Ctrl-C is not this command's
+    # started with & or nohup, Ctrl-C is not this command's; imported by another command (train.py
+    # by the lab), that command's line stands
+    if before is signal.SIG_IGN or _before:
+        _before.append(None)
         return
 
     def stop(*_):
@@ -28,5 +31,6 @@ def quiet_ctrl_c(line: str) -> None:
 
 
 def loaded() -> None:
-    if _before:
-        signal.signal(signal.SIGINT, _before.pop())
+    before = _before.pop() if _before else None
+    if before is not None:
+        signal.signal(signal.SIGINT, before)

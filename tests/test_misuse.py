@@ -537,9 +537,11 @@ def test_ctrl_c_in_bench_is_one_line_and_exit_130(after):
 
 @pytest.mark.parametrize("command, line", [
     (["train.py", "--steps", "3"], "train.py: stopped (SIGINT) while loading; nothing was written"),
-    (["-m", "lab", "group_norm"], "python -m lab: interrupted while loading; nothing was written")])
+    (["-m", "lab", "group_norm"], "python -m lab: interrupted while loading; nothing was written"),
+    (["-m", "lab.compare", "--settings", "a=--k 2"], "python -m lab.compare: interrupted while loading; "
+                                                      "nothing was written")])
 def test_ctrl_c_while_torch_loads_is_one_line_and_exit_130(tmp_path, command, line):
-    """Ctrl-C in train.py's or the lab's first seconds printed a 40-line traceback through
+    """Ctrl-C in train.py's, the lab's or compare's first seconds printed a 40-line traceback through
     importlib and ended by SIGINT; half a second in, torch is still loading on any machine."""
     code, err = ctrl_c_after(0.5, [*command, "--out", str(tmp_path / "out")])
     assert code == 130 and err == [line], err
