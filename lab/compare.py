@@ -67,6 +67,7 @@ import train
 
 loading.loaded()
 
+
 @dataclass(frozen=True)
 class Launch:
     """How each run is started."""

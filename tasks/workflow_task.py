@@ -161,9 +161,9 @@ def sample(models, prompts: list, k: int, sampling, record_old_logp: bool = True
     batch = rollout.sample(models, texts, k, sampling, record_old_logp)
     bests = [p["best"] for p in prompts for _ in range(k)]
     classes = [rewards.classify(t, b) for t, b in zip(batch.texts, bests)]
-    if sampling.reward in ("composite", "misjudged"):   # report 003's (rewards.composite_reward); misjudged:
-        judged = [p.get("judged", p["best"]) if sampling.reward == "misjudged" else p["best"]   # from a judge
-                  for p in prompts for _ in range(k)]                                   # wrong on MISJUDGED's prompts
+    if sampling.reward in ("composite", "misjudged"):   # report 003's (rewards.composite_reward)
+        wrong = sampling.reward == "misjudged"          # from a judge wrong on MISJUDGED's prompts
+        judged = [p.get("judged", p["best"]) if wrong else p["best"] for p in prompts for _ in range(k)]
         batch.rewards = torch.tensor([rewards.composite_reward(t, b) for t, b in zip(batch.texts, judged)])
     else:                                        # report 001's: 1 best, 0.2 valid, 0 off-format
         batch.rewards = torch.tensor([rewards.DSL_REWARD[cl] for cl in classes])  # (N,)
