@@ -1,21 +1,11 @@
-"""What survives a crash: append-only logs, atomic checkpoints, exact resume.
+"""What survives a crash: append-only logs, atomic checkpoints, exact resume (docs/faults.md).
 
-Logs. metrics.jsonl and samples.jsonl are written one line per `os.write` call, straight to
-the file (no Python buffer), so a run killed at any moment (`kill -9` included) leaves a
-file whose every line is a complete JSON object for a finished step.
-
-Checkpoints. RUN/checkpoints/step-000040/ holds the policy written with `save_pretrained`
-(plus its tokenizer), so plain transformers loads it:
-
-    AutoModelForCausalLM.from_pretrained("RUN/checkpoints/step-000040")
-
-and trainer_state.pt with everything else a resumed run needs to continue *exactly*: the
-optimizer's state, the loop's counters, the monitor's state and every random number
-generator's state. It is written into step-000040.tmp/ and renamed into place, so a crash
-mid-write never leaves half a checkpoint under the final name.
-
-Resume. `python train.py --resume RUN` loads the newest checkpoint, cuts the logs back to the
-steps it covers, and goes on; on the CPU the metrics equal those of an uninterrupted run.
+Logs: one whole JSON line per `os.write`, so a run killed at any moment leaves whole lines.
+Checkpoints: RUN/checkpoints/step-NNNNNN/ holds the weights as `save_pretrained` writes them
+(plain transformers loads the folder) and trainer_state.pt, one dict with the rest (optimizer,
+loop, controllers, random generators); written into step-NNNNNN.tmp/ and renamed into place.
+`python train.py --resume RUN` loads the newest whole one and cuts the logs back to it; on the
+CPU the metrics equal an uninterrupted run's.
 """
 import contextlib
 import errno
@@ -58,8 +48,7 @@ def finite_json(row: dict) -> tuple[dict, list]:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """path's new contents, whole or not at all: written beside (PATH.tmp-PID) and renamed over
-    it, so a full disk or a kill mid-write leaves the old file or none, never half of one."""
+    """path's new contents, whole or not at all: written beside it, then renamed over it."""
     tmp = Path(path).with_name(f"{Path(path).name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(text)
@@ -77,9 +66,8 @@ RESERVE = ".reserve"
 
 
 def reserve(run_dir: Path, nbytes: int) -> bool:
-    """Hold nbytes of the disk in RUN/.reserve, so a run the disk fills mid-way can still write
-    its checkpoint and summary: release() gives the room back first. False when the disk has
-    not that much room now (then nothing is held)."""
+    """Hold nbytes of the disk in RUN/.reserve for the run's last checkpoint and summary
+    (release() gives it back); False when the disk has not that much room now."""
     path = Path(run_dir) / RESERVE
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -102,8 +90,8 @@ def release(run_dir: Path) -> bool:
 
 
 class JsonlLog:
-    """Append-only JSON-lines file: one complete line per os.write, nothing buffered. A
-    non-finite number is written as null, and the line lists its keys under `nonfinite_logged`."""
+    """Append-only JSON lines, one whole line per os.write; a non-finite number is written as
+    null and its key listed under `nonfinite_logged`."""
 
     def __init__(self, path: Path, append: bool):
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
@@ -111,9 +99,8 @@ class JsonlLog:
         self.fd = os.open(path, flags, 0o644)
 
     def write(self, row: dict) -> None:
-        """Append one line. A write the disk refuses (full) loses that line, is said and
-        counted (self.lost), and the run goes on; the part of it that fitted is cut off again,
-        so the file holds whole lines only (the next one was once appended to half a line)."""
+        """Append one line. A line the disk refuses is said, counted (self.lost) and cut off
+        again, so the file holds whole lines only; the run goes on."""
         row, bad = finite_json(row)
         if bad:
             row["nonfinite_logged"] = bad
@@ -143,9 +130,8 @@ def last_step(path: Path) -> int:
 
 
 def truncate_log(path: Path, last_step: int) -> int:
-    """Keep the lines of steps <= last_step (a resumed run redoes the rest). A line that is
-    not a whole JSON object (a kill or a full disk mid-write tears the last one) is dropped;
-    returns how many were."""
+    """Keep the lines of steps <= last_step; drop torn lines (not a whole JSON object) and
+    return how many."""
     if not path.exists():
         return 0
     keep, torn = [], 0
@@ -176,9 +162,8 @@ class RunBusy(ValueError):
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path):
-    """An exclusive lock on RUN/.lock for as long as a run writes there: a second run into the
-    same folder is refused (RunBusy) instead of interleaving its lines with the first's. The
-    lock is the kernel's (flock), so a killed run never leaves a stale one."""
+    """The kernel's lock (flock) on RUN/.lock while a run writes there: a second run into the
+    folder is refused (RunBusy); a killed run leaves no stale lock."""
     fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -208,10 +193,9 @@ SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
 class Interrupts:
-    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's kill) do not kill the run mid-step: the
-    signal is noted, the loop finishes its step, saves a checkpoint, writes the summary
-    marked `interrupted`, and train.py exits 128 + the signal (130, 143). A second signal
-    stops at once. Handlers can be set only in the main thread; elsewhere this does nothing."""
+    """SIGINT and SIGTERM are noted, not obeyed mid-step: the loop finishes its step, saves,
+    writes the summary marked `interrupted`, and train.py exits 128 + the signal. A second one
+    stops at once. Main thread only; elsewhere this does nothing."""
 
     def __init__(self, log=print):
         self.signal, self.log, self.saved = None, log, {}
@@ -242,9 +226,8 @@ class Interrupts:
 # ---- checkpoints ----
 
 def save(run_dir: Path, step: int, model, tok, whole: dict, rng: random.Random) -> Path:
-    """Write RUN/checkpoints/step-NNNNNN atomically: the weights and tokenizer as transformers
-    saves them, and trainer_state.pt, one dict: whole (the optimizer's state, the loop's, the
-    controllers') with the step and every random generator's state. Returns its path."""
+    """Write RUN/checkpoints/step-NNNNNN whole or not at all: the weights and tokenizer, and
+    trainer_state.pt: `whole` with the step and every random generator's state."""
     final = Path(run_dir) / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
@@ -283,8 +266,7 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def prune(run_dir: Path, keep: int, spare: Path | None = None) -> list[Path]:
-    """Delete all but the `keep` newest complete checkpoints of a run (keep 0: delete none),
-    never `spare` (early stopping's best); returns what was deleted."""
+    """Delete all but the `keep` newest checkpoints (0: none), never `spare`; return them."""
     if keep <= 0:
         return []
     old = [p for p in candidates(run_dir)[keep:] if spare is None or p.resolve() != Path(spare).resolve()]
@@ -310,9 +292,7 @@ def find(path: Path) -> Path | None:
 
 
 def starting_point(run_dir: Path) -> Path | None:
-    """The checkpoint a later stage starts from (--init-from): the one the run's summary names
-    as its best (`best_checkpoint`, relative to the run's folder; early stopping) when it is
-    still there, else the newest."""
+    """--init-from's checkpoint: the best the summary names (early stopping), else the newest."""
     try:
         best = json.loads((Path(run_dir) / "summary.json").read_text()).get("best_checkpoint")
     except (OSError, ValueError, AttributeError):
@@ -323,8 +303,7 @@ def starting_point(run_dir: Path) -> Path | None:
 
 
 def read_weights(ckpt: Path, model) -> dict:
-    """The checkpoint's weights as a state dict for model (float32), model untouched; ValueError
-    when they are another model's."""
+    """The checkpoint's weights as model's float32 state dict; ValueError if another model's."""
     from transformers import AutoModelForCausalLM          # here, not at the top: --help need not import it
     weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
     if set(weights) != set(model.state_dict()):
@@ -362,10 +341,9 @@ def weights_sha256(ckpt: Path) -> str:
 
 
 def set_aside_later(run_dir: Path, step: int) -> Path | None:
-    """One folder, one history: a run resumed from an older checkpoint moves the checkpoints
-    of its abandoned later steps to run_dir/checkpoints.abandoned-after-step-N (a fresh name if
-    that exists), so that a later plain --resume cannot pick one of them. Returns that folder,
-    or None when there was nothing later."""
+    """One folder, one history: resumed from an older checkpoint, the later ones move to
+    checkpoints.abandoned-after-step-N (never deleted), where --resume cannot pick them.
+    Returns that folder, or None."""
     later = [p for p in Path(run_dir).glob("checkpoints/step-*") if p.name.split("-")[-1].split(".")[0].isdigit()
              and int(p.name.split("-")[-1].split(".")[0]) > step]
     if not later:
@@ -389,9 +367,8 @@ class ResumeError(ValueError):
 
 
 def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) -> tuple[dict, Path]:
-    """Restore from the newest checkpoint under path that loads whole (or path itself); a
-    damaged one (a truncated weights file, an unreadable state) is skipped, saying which and
-    why. Returns (restore's dict, the checkpoint used); raises ResumeError when none loads."""
+    """Restore from the newest checkpoint under path that loads whole, saying which damaged
+    ones were skipped and why; (restore's dict, its path), or ResumeError."""
     reasons = []
     for ckpt in candidates(path):
         try:
@@ -406,10 +383,8 @@ def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) 
 
 
 def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
-    """Load weights, optimizer and RNG states from a checkpoint; return the rest of its dict
-    ("step", "loop", "controllers"). Nothing is changed unless everything loads. A LoRA run's
-    checkpoint restores its adapters alone: model holds the weights the run started from, which
-    never moved (its weights files hold them merged with the adapters, for export)."""
+    """Load weights (a LoRA run's: its adapters; its files hold them merged, for export),
+    optimizer and random generators, all or nothing; return "step", "loop", "controllers"."""
     state = torch.load(Path(ckpt) / STATE_FILE, weights_only=True)
     if "controllers" not in state:         # an older train.py's checkpoint: not read by guesswork
         raise ResumeError("written by an older version of train.py; start the run again")
