@@ -57,6 +57,7 @@ import mismatch
 import rewards
 import rollout
 import surrogates
+import trust_regions
 import update
 
 RATIO_LEVELS = ("token", "sequence")                                  # importance_ratio
@@ -100,8 +101,8 @@ def own_defaults(cfg, given: dict):
 
 
 # the lessons whose knobs one step's advantages and update read
-KNOBS = (Knobs, advantages.Knobs, surrogates.Knobs, update.Knobs, kl.Knobs, entropy_control.Knobs, rewards.Knobs,
-         mismatch.Knobs, rollout.Knobs)
+KNOBS = (Knobs, advantages.Knobs, surrogates.Knobs, trust_regions.Knobs, update.Knobs, kl.Knobs,
+         entropy_control.Knobs, rewards.Knobs, mismatch.Knobs, rollout.Knobs)
 
 
 @dataclass

@@ -1,15 +1,11 @@
 """The policy-gradient objective: PPO's clip and what 2025-26 trainers put in its place.
 
-PPO's clip (`ppo_clip`) bounds how far one update moves each token's probability:
-a token past the edge its advantage pushes toward (r > 1 + eps_high with A > 0, r < 1 - eps_low
-with A < 0) has a gradient of exactly 0. That is the safety, and the problem the newer
-objectives answer; a token past the other edge keeps its gradient (A < 0 at r = 100 is pushed
-down with weight 100), which is why dual-clip exists. A rare token the policy is starting to prefer
-("Wait", a second workflow for a problem type) quickly leaves the range and stops learning,
-which feeds the entropy collapse this course is about (Lesson 5: SmolLM2 writes one workflow
-for every prompt); and for a negative advantage the clip never bounds the loss at all when
-the ratio explodes. --policy-loss picks one (ratio r_it = exp(logp_it - logp_old_it), A the
-sequence's advantage, or the token's for PPO):
+PPO's clip (`ppo_clip`): a token past the edge its advantage pushes toward (r > 1 + eps_high
+with A > 0, r < 1 - eps_low with A < 0) has a gradient of exactly 0. That is the safety, and the
+problem the newer objectives answer: a rare token the policy starts to prefer quickly leaves
+the range and stops learning, which feeds the entropy collapse this course is about; a token
+past the other edge keeps its gradient (A < 0 at r = 100: weight 100), hence dual-clip.
+--policy-loss picks one (r_it = exp(logp_it - logp_old_it); A the sequence's, or PPO's token's):
 
     clip       -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)                    PPO, GRPO, DAPO
     dual-clip  clip's loss, and for A < 0 at most -c A:                            verl clip_ratio_c,
@@ -26,20 +22,23 @@ sequence's advantage, or the token's for PPO):
     clip-cov   PPO's clip, and a few random tokens of high covariance between advantage and
                log-prob taken out of the gradient                                verl "clip_cov"
     kl-cov     no clip; the top tokens by that covariance pay coef * |log r|      verl "kl_cov"
+    dppo-tv    the move of a token's probability, not of its ratio, bounded;     prime-rl, verl
+    dppo-kl    by |p - p_old| or a Bernoulli KL (trust_regions.py)               "dppo_tv", "dppo_kl"
+    sq-logratio  -A log pi + (beta / 2) (log r)^2, no clip (trust_regions.py)    Tinker "dro"
 
 and, with any of them, --top-entropy-quantile 0.2 trains only the 20% of tokens of highest
 entropy (TRL's top_entropy_quantile, the "80/20" of Wang et al. 2025).
 
-Each function below returns the per-token loss (n, C) that grpo.aggregate averages, and the
-tokens where a bound bit, split by side (low: the ratio under its lower bound, high: over its
-upper bound; TRL's clip_ratio/low_mean and high_mean). tests/test_surrogates.py checks each
-against a re-implementation of verl's or TRL's formula, values and gradients, and the lesson
-each one teaches: CISPO keeps a gradient on a clipped token where PPO's clip gives none,
-dual-clip bounds the loss of a negative-advantage token whose ratio explodes.
+Each returns the per-token loss (n, C) that grpo.aggregate averages, and where a bound bit,
+by side (low, high: TRL's clip_ratio/low_mean and high_mean). tests/test_surrogates.py checks
+each against a re-implementation of verl's or TRL's formula, values and gradients, and its
+lesson: CISPO keeps a gradient on a clipped token, dual-clip bounds an exploding ratio's loss.
 """
 from dataclasses import dataclass, field
 
 import torch
+
+import trust_regions
 
 # --policy-loss NAME -> its per-token loss, (loss, low, high), from (logp, old_logp, adv, mask,
 # keep, hp). A new objective is one function below, one line here, and its knobs in Knobs
@@ -52,6 +51,9 @@ OBJECTIVES = {
     "gmpo": lambda logp, old, adv, mask, keep, hp: gmpo(logp, old, adv, mask if keep is None else keep, hp.gmpo_delta),
     "clip-cov": lambda logp, old, adv, mask, keep, hp: clip_cov(token_ratio(logp, old), logp, adv, mask, hp),
     "kl-cov": lambda logp, old, adv, mask, keep, hp: kl_cov(token_ratio(logp, old), logp, old, adv, mask, hp),
+    "dppo-tv": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-tv", hp.dppo_delta),
+    "dppo-kl": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-kl", hp.dppo_kl_delta),
+    "sq-logratio": lambda logp, old, adv, mask, keep, hp: trust_regions.sq_logratio(logp, old, adv, hp.sq_beta),
 }
 POLICY_LOSSES = ("clip", *OBJECTIVES)       # clip: PPO's, on GSPO's sequence ratio too (grpo.policy_loss)
 

@@ -33,6 +33,7 @@ import rollout
 import schedules
 import surrogates
 import tasks
+import trust_regions
 import update
 from running import checkpoint, checks, distributed
 from running.checks import ConfigError, default_out, saved_fields  # noqa: F401 (default_out: for importers)
@@ -109,7 +110,7 @@ class Run:
 
 # The lessons whose knobs are flags, in the course's order: each defines its own (Knobs: the
 # field, its default, its help) and its checks (problems); --help shows them in this order.
-LESSONS = (advantages, grpo, surrogates, update, schedules, kl, entropy_control, rewards, rollout, mismatch, ppo,
+LESSONS = (advantages, grpo, surrogates, trust_regions, update, schedules, kl, entropy_control, rewards, rollout, mismatch, ppo,
            rce, dynamic_sampling, monitor, lora)
 
 
