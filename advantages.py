@@ -17,6 +17,7 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
                                        c = r - mean_g;  A = (c - mean_N(c)) / std_N(c)
                                        the group-centred rewards whitened over the batch
         norm="rloo"    leave-one-out   A = r_i - mean_{j != i in g} r_j
+        norm="maxrl"   MaxRL           A = (r - mean_g) / mean_g (0 if mean_g <= 0): rate p weighs ~1/p
         norm="none"    plain REINFORCE A = r
     gae(rewards, values, mask, gamma, lam)   token-level advantages for PPO
     whiten(x, mask)                          masked z-scoring (PPO's advantage whitening)
@@ -51,8 +52,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "none")
-GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo")  # these need K >= 2
+NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "maxrl", "none")
+GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo", "maxrl")  # these need K >= 2
 
 
 EPS = 1e-6          # the floor of every std we divide by: a zero-variance group gets 0, not NaN
@@ -74,6 +75,8 @@ def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
     if group_size_problem(cfg.k, cfg.norm):
         yield "k", group_size_problem(cfg.k, cfg.norm)
+    if cfg.norm == "maxrl" and cfg.task == "tools":
+        yield "norm", "maxrl divides by the group's mean reward, written for rewards >= 0; the tools task's go below 0"
 
 
 # ---- checks and small helpers ----
@@ -184,6 +187,10 @@ def compute(rewards: torch.Tensor, k: int, norm: str, unbiased: bool = False,
         # A_i = r_i - (sum_g r - r_i) / (K - 1)   (each sample's baseline excludes itself,
         #     = K/(K-1) * (r_i - mean_g)           so the baseline is independent of r_i)
         a = g - (g.sum(1, keepdim=True) - g) / (k - 1)                          # (B, K)
+    elif norm == "maxrl":
+        # A_i = (r_i - mean_g) / mean_g, 0 where mean_g <= 0   (MaxRL, arXiv 2602.02710; prime-rl)
+        mean = g.mean(1, keepdim=True)                                          # (B, 1)
+        a = torch.where(mean > 0, (g - mean) / mean.clamp_min(EPS), torch.zeros_like(g))   # (B, K)
     else:  # "none"
         # A_i = r_i                               (no baseline: every positive reward pushes up)
         a = r.clone()                                                           # (N,)

@@ -150,9 +150,36 @@ def test_rloo_equals_scaled_drgrpo():
     torch.testing.assert_close(adv.compute(r, 4, "rloo"), adv.compute(r, 4, "drgrpo") * 4 / 3)
 
 
+def prime_rl_max_rl(rewards: torch.Tensor) -> torch.Tensor:
+    """prime-rl's MaxRLAlgorithm.score_group (src/prime_rl/orchestrator/algo/max_rl.py), one group."""
+    mean = rewards.mean()
+    return torch.zeros_like(rewards) if mean <= 0 else (rewards - mean) / mean
+
+
+def test_maxrl_equals_a_reimplementation_of_prime_rl_group_by_group():
+    gen = torch.Generator().manual_seed(5)
+    r = (torch.rand(64, generator=gen) < 0.3).float() * torch.tensor([1.0, 0.2]).repeat(32)   # 0, 0.2, 1
+    r[:8] = 0                                                   # one group never rewarded
+    theirs = torch.cat([prime_rl_max_rl(g) for g in r.view(-1, 8)])
+    torch.testing.assert_close(adv.compute(r, 8, "maxrl"), theirs)
+
+
+@pytest.mark.lesson
+def test_maxrl_is_dr_grpo_divided_by_the_success_rate_so_hard_prompts_weigh_more():
+    """Binary rewards, K=8: a prompt solved once (p = 1/8) gives its correct sample 7 under
+    MaxRL, (1 - p) / p, against Dr. GRPO's 0.875 and GRPO's sqrt(7) = 2.65; a prompt solved 7
+    times gives 1/7. MaxRL's advantage is Dr. GRPO's divided by p: the gradient of log p, not of p."""
+    r = torch.tensor([1.0] + [0.0] * 7 + [1.0] * 7 + [0.0])
+    maxrl, drgrpo, group = (adv.compute(r, 8, norm) for norm in ("maxrl", "drgrpo", "group"))
+    p = torch.tensor([1 / 8] * 8 + [7 / 8] * 8)
+    torch.testing.assert_close(maxrl, drgrpo / p)
+    assert maxrl[0].item() == pytest.approx(7.0) and maxrl[8].item() == pytest.approx(1 / 7)
+    assert drgrpo[0].item() == pytest.approx(0.875) and group[0].item() == pytest.approx(math.sqrt(7))
+
+
 def test_zero_variance_groups_give_zero_never_nan():
     r = torch.tensor([0.2, 0.2, 0.2, 0.2, 1.0, 1.0, 1.0, 1.0])
-    for norm in ["group", "drgrpo", "batch", "reinforce++-baseline", "rloo"]:
+    for norm in ["group", "drgrpo", "batch", "reinforce++-baseline", "rloo", "maxrl"]:
         a = adv.compute(r, 4, norm)
         assert torch.equal(a, torch.zeros(8)), norm
     # All rewards equal: even the global std is 0.
@@ -268,3 +295,10 @@ def test_whiten_gives_zero_mean_unit_std_on_masked_entries():
     assert torch.all(w[~mask.bool()] == 0)
     kept = adv.whiten(x, mask, shift_mean=False)[mask.bool()]
     assert kept.mean().item() == pytest.approx(x[mask.bool()].mean().item())
+
+
+def test_maxrl_is_refused_on_the_tools_task_whose_rewards_go_below_zero(tmp_path, capsys):
+    from conftest import assert_refused_in_one_line
+    assert_refused_in_one_line(tmp_path, capsys, ["--task", "tools", "--reward", "sparse", "--norm", "maxrl"],
+                               "--norm: maxrl divides by the group's mean reward")
+

@@ -156,12 +156,13 @@ def test_a_trust_region_of_no_width_is_refused_in_one_line(field, value, message
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.parametrize("name", ["dppo-tv", "dppo-kl", "sq-logratio"])
-def test_each_trust_region_trains_and_changes_only_the_update(name, clip_run, tmp_path):
+@pytest.mark.parametrize("flags", [["--policy-loss", "dppo-tv"], ["--policy-loss", "dppo-kl"],
+                                   ["--policy-loss", "sq-logratio"], ["--norm", "maxrl"]])
+def test_each_2026_method_trains_and_changes_only_the_update(flags, clip_run, tmp_path):
     """Five steps of two epochs (the ratio leaves 1): the same rollouts as the clip run up to the
     first update, whose loss differs; every later step updates."""
     import train
-    train.train(configure(quick(tmp_path, "other", *BASE, "--policy-loss", name)))
+    train.train(configure(quick(tmp_path, "other", *BASE, *flags)))
     other = metrics(tmp_path / "other")
     first = next(i for i, row in enumerate(clip_run) if row.get("loss") is not None)
     assert clip_run[first]["reward_mean"] == other[first]["reward_mean"], "the same rollouts until the first update"
