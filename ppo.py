@@ -164,6 +164,7 @@ def loss(logp, entropy, values, rows, mb, hp: PPOParams) -> tuple[torch.Tensor, 
     GRPO's policy terms (grpo.policy_loss) with the critic's value loss added; values (n, C)
     are the critic's now, rows.old_values and rows.returns its values when sampled and GAE's
     targets. value_loss is the token mean of the unweighted value loss (a metric)."""
+    rows = grpo.harmless(rows, logp, values)           # a NaN where the mask is 0 never reaches the gradient
     per_token, sums = grpo.policy_loss(logp, rows.old_logp, entropy, rows, hp)          # (n, C)
     v_loss = value_loss(values, rows.old_values, rows.returns, hp.value_clip)            # (n, C)
     per_token = per_token + hp.vf_coef * v_loss

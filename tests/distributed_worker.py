@@ -2,7 +2,8 @@
 rollouts split over the ranks, prompts whole, and everything that must not depend on the
 number of ranks computed on this rank's share: the advantages of every estimator (with the
 sums over ranks, and without them), PPO's whitened advantages, one GRPO update's gradient for
-every loss aggregation (and with per-rank denominators), one PPO update's, one LoRA update's
+every loss aggregation (and with per-rank denominators) and every objective whose tokens are
+not chosen per micro-batch (OBJECTIVES), one PPO update's, one LoRA update's
 (the adapters' gradient; the weights frozen), and the step's metrics. Rank r saves them to OUT/rank{r}.pt; the test computes the one-process values on
 the whole batch (`one_process`) and compares. The K rows of a group share their prompt; the
 ranks encode it once per group (shared_prefix.py), the one-process reference once per row, so
@@ -30,6 +31,7 @@ import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import lora  # noqa: E402
 import ppo  # noqa: E402
+import surrogates  # noqa: E402
 import update  # noqa: E402
 from tasks import workflow_task  # noqa: E402
 from rollout import completion_mask  # noqa: E402
@@ -40,6 +42,8 @@ DEVICE = "cpu"                                           # where the ranks compu
 # group 0 mixed, group 1 all equal (no signal), groups 2 and 3 of different spreads
 REWARDS = torch.tensor([1.0, 0.2, 0.0, 0.2, 0.2, 0.2, 0.2, 0.2, 1.0, 1.0, 0.0, 0.2, 0.0, 0.0, 0.0, 1.0])
 CLASSES = ["best" if r == 1.0 else "valid" if r == 0.2 else "junk" for r in REWARDS.tolist()]
+# PPO's clip is the aggregations' runs; Clip-Cov and KL-Cov choose tokens per micro-batch (test_guards.py)
+OBJECTIVES = [name for name in surrogates.POLICY_LOSSES if name not in ("clip", "clip-cov", "kl-cov")]
 
 
 def whole_batch():
@@ -126,6 +130,10 @@ def compute(batch, classes: list, ranks: int) -> dict:
     # the bug: each rank's token mean, DDP's average of them (no sums over ranks, no W scale)
     with mock.patch.object(update, "all_sum", lambda x: x), mock.patch.object(update, "world_size", lambda: 1):
         out["grad_per_rank_counts"], _ = gradient(batch, hyper("grpo", "token-mean", ranks))
+    for name in OBJECTIVES:                  # every other objective, with its own aggregation
+        hp = dataclasses.replace(hyper("grpo", surrogates.OWN_AGGREGATION.get(name, "token-mean"), ranks),
+                                 policy_loss=name, dual_clip_c=1.05, cispo_max=1.02)
+        out["grad"][name], out["stats"][name] = gradient(batch, hp)
     out["grad"]["ppo"], out["stats"]["ppo"] = gradient(batch, hyper("ppo", "token-mean", ranks))
     out["grad"]["lora"], out["stats"]["lora"] = gradient(batch, hyper("grpo", "token-mean", ranks), lora_rank=2)
     batch.advantages = out["adv"]["group"].clone()

@@ -15,7 +15,7 @@ import torch
 import advantages
 import grpo
 from conftest import quick
-from distributed_worker import one_process
+from distributed_worker import OBJECTIVES, one_process
 from running import distributed
 
 ROOT = Path(__file__).parent.parent
@@ -60,7 +60,7 @@ def test_ppo_whitening_over_every_ranks_tokens(ranks):
     torch.testing.assert_close(torch.cat([r0["whitened"], r1["whitened"]]), whole["whitened"])
 
 
-@pytest.mark.parametrize("update", [*grpo.AGGREGATIONS, "ppo", "lora"])
+@pytest.mark.parametrize("update", [*grpo.AGGREGATIONS, *OBJECTIVES, "ppo", "lora"])
 def test_gradient_after_one_update_on_two_ranks_equals_one_process(ranks, update):
     """DDP's all-reduced gradient, with the loss's denominators summed over ranks and the loss
     scaled by W, is the one-process gradient; and both ranks hold the same one. lora: the
