@@ -21,6 +21,11 @@ token's loss by a weight made from w (never differentiated), at one of two level
     tis        min(w, C_max)                         truncated IS (TRL *_truncate, verl rollout_is)
     mis        w if C_min <= w <= C_max, else 0      masked IS, ICEPOP (TRL *_mask, verl rollout_rs)
 
+or drop a whole sequence (weight 0 on its tokens, 1 on a kept one's):
+
+    geo-mask        exp(mean_t log w_t) outside [1 - eps, 1 + eps], eps 0.01      SkyRL's default
+    seq-error-mask  mean_t exp(|log w_t|) above a bound, 2.0                       NeMo-RL's recipes
+
 To see it on a CPU, without vLLM, this module makes the sampler differ on purpose
 (`RolloutPolicy`): a bf16 copy of the policy (`--rollout-dtype bf16`), the weights of n
 updates ago (`--rollout-stale n`) or another temperature (`--rollout-temperature`). The
@@ -39,7 +44,8 @@ import torch
 from torch import nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}          # --rollout-dtype; "same": the policy
-CORRECTIONS = ("none", "tis", "mis")
+CORRECTIONS = ("none", "tis", "mis", "geo-mask", "seq-error-mask")
+SEQUENCE_MASKS = ("geo-mask", "seq-error-mask")
 LEVELS = ("token", "sequence")
 
 
@@ -53,9 +59,16 @@ class Knobs:
     rollout_temperature: float = field(default=0.0, metadata={"help": "sample at this temperature while training "
                                        "scores at --temperature; 0 = the same", "min": 0, "max": 1e3})
     rollout_correction: str = field(default="none", metadata={
-        "help": "correct the mismatch: tis (truncated IS, min(w, C_max)) or mis (masked IS / ICEPOP: w outside "
-                "[C_min, C_max] drops its token), w = pi_old / pi_sampler", "choices": CORRECTIONS,
+        "help": "correct the mismatch: tis (truncated IS, min(w, C_max)), mis (masked IS / ICEPOP: w outside "
+                "[C_min, C_max] drops its token), or drop whole sequences: geo-mask (SkyRL), seq-error-mask "
+                "(NeMo-RL); w = pi_old / pi_sampler", "choices": CORRECTIONS,
         "algos": ("grpo", "ppo")})
+    geo_mask_eps: float = field(default=0.01, metadata={"help": "--rollout-correction geo-mask: a sequence whose "
+                                "geometric-mean w leaves [1 - eps, 1 + eps] is dropped", "needs": "rollout_correction",
+                                "flag": False})
+    seq_error_max: float = field(default=2.0, metadata={"help": "--rollout-correction seq-error-mask: a sequence "
+                                 "whose mean exp(|log w|) passes this is dropped", "max": 1e4,
+                                 "needs": "rollout_correction", "flag": False})
     rollout_correction_level: str = field(default="token", metadata={
         "help": "the correction's weight per token, or per sequence (the geometric mean of its tokens')",
         "choices": LEVELS, "needs": "rollout_correction", "flag": False})
@@ -81,6 +94,13 @@ def problems(cfg):
     if cfg.rollout_c_min != Knobs.rollout_c_min and cfg.rollout_correction != "mis":
         yield "rollout-c-min", (f"only --rollout-correction mis drops tokens below a floor; {cfg.rollout_correction} "
                                 f"would ignore it")
+    if not 0 < cfg.geo_mask_eps < 1:
+        yield "geo-mask-eps", f"must be in (0, 1): the band [1 - eps, 1 + eps] would be empty, got {cfg.geo_mask_eps}"
+    for name, mode in (("geo_mask_eps", "geo-mask"), ("seq_error_max", "seq-error-mask")):
+        if getattr(cfg, name) != getattr(Knobs, name) and cfg.rollout_correction != mode:
+            yield name, f"only --rollout-correction {mode} reads it; {cfg.rollout_correction} would ignore it"
+    if cfg.seq_error_max <= 1:
+        yield "seq-error-max", f"must be > 1 (mean exp(|log w|) is at least 1: every sequence dropped), got {cfg.seq_error_max}"
     if cfg.task == "tools" and cfg.rollout_logprobs:
         yield "task", ("the tool task's multi-turn episodes do not record the sampler's log-probs that "
                        "--rollout-*/--log-mismatch need (mismatch.py is built for --task dsl)")
@@ -169,11 +189,35 @@ def correction(log_w, mode: str, c_min: float, c_max: float) -> torch.Tensor:
     raise ValueError(f"unknown correction {mode!r}; expected one of {CORRECTIONS[1:]}")
 
 
+def sequence_mask(old_logp, rollout_logp, mask, mode: str, bound: float) -> torch.Tensor:
+    """(N, C) 1 on every token of a kept sequence, 0 on a dropped one's (no gradient):
+
+        geo-mask        keep if 1 - bound <= exp(mean_t log w_t) <= 1 + bound       (SkyRL)
+        seq-error-mask  keep if mean_t exp(|log w_t|) <= bound                       (NeMo-RL)
+
+    The geometric mean forgives a long sequence's many small gaps that cancel; the error does
+    not (|log w| never cancels), so it drops a sequence the sampler saw differently anywhere."""
+    m = mask.to(old_logp.dtype)
+    n = m.sum(1).clamp_min(1)                                                      # (N,)
+    log_w = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)                 # (N, C)
+    if mode == "geo-mask":
+        w = torch.exp((log_w.sum(1) / n).clamp(-20.0, 20.0))
+        keep = (w >= 1 - bound) & (w <= 1 + bound)
+    else:
+        keep = (torch.exp(log_w.abs()) * m).sum(1) / n <= bound
+    return keep.to(m.dtype).unsqueeze(1).expand_as(m)
+
+
 def weigh(batch, hp) -> None:
     """Fill batch.is_weight (N, C) from the sampler's log-probs and the policy's recomputed
     old ones, by hp.rollout_correction at hp.rollout_correction_level; None without one."""
     if hp.rollout_correction == "none" or batch.rollout_logp is None:
         batch.is_weight = None
+        return
+    if hp.rollout_correction in SEQUENCE_MASKS:
+        bound = hp.geo_mask_eps if hp.rollout_correction == "geo-mask" else hp.seq_error_max
+        batch.is_weight = sequence_mask(batch.old_logp, batch.rollout_logp, batch.completion_mask,
+                                        hp.rollout_correction, bound)
         return
     log_w = log_weights(batch.old_logp, batch.rollout_logp, batch.completion_mask, hp.rollout_correction_level)
     batch.is_weight = correction(log_w, hp.rollout_correction, hp.rollout_c_min, hp.rollout_c_max)

@@ -111,6 +111,51 @@ def test_the_sequence_level_weight_is_verls_geometric_mean():
     assert torch.allclose(torch.exp(log_w) * mask, verl_geometric(old, mu, mask) * mask)
 
 
+def skyrl_geometric(old_log_probs, rollout_logprobs, loss_mask, geo_mask_low, geo_mask_high):
+    """SkyRL's compute_sequence_mask, sequence_mask_metric="geometric" (off_policy_correction_utils.py)."""
+    token_tis_log_ratio = old_log_probs - rollout_logprobs
+    num_tokens = loss_mask.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    seq_tis_log_ratio = (token_tis_log_ratio * loss_mask).sum(dim=-1, keepdim=True)
+    geo_mean_ratio = torch.exp((seq_tis_log_ratio / num_tokens).clamp(-20.0, 20.0))
+    return (~(geo_mean_ratio > geo_mask_high) & ~(geo_mean_ratio < geo_mask_low)).float()
+
+
+def nemo_rl_seq_error(prev_logprobs, generation_logprobs, mask, threshold):
+    """NeMo-RL's compute_and_apply_seq_logprob_error_masking (grpo.py), its kept sequences."""
+    lp_error = torch.abs(generation_logprobs - prev_logprobs)
+    num = (torch.exp(lp_error * mask) * mask).sum(dim=-1)
+    seq_mult_prob_error = num / mask.sum(dim=-1).clamp(min=1)
+    return (seq_mult_prob_error <= threshold).float()
+
+
+@pytest.mark.parametrize("mode, bound", [("geo-mask", 0.01), ("geo-mask", 0.3), ("seq-error-mask", 2.0),
+                                         ("seq-error-mask", 1.5)])
+def test_the_sequence_masks_keep_the_sequences_skyrl_and_nemo_rl_keep(mode, bound):
+    kept_any = dropped_any = False
+    for seed in range(6):
+        old, mu, mask = log_probs(seed)
+        mu = old + (mu - old) * (0.02 if seed % 2 else 1.0)        # some batches nearly on-policy
+        mine = mismatch.sequence_mask(old, mu, mask, mode, bound)
+        ref = skyrl_geometric(old, mu, mask, 1 - bound, 1 + bound) if mode == "geo-mask" else \
+            nemo_rl_seq_error(old, mu, mask, bound).unsqueeze(1)
+        assert torch.equal(mine, ref.expand_as(mine))
+        kept_any, dropped_any = kept_any or bool(mine.any()), dropped_any or not bool(mine.all())
+    assert kept_any and dropped_any, "both outcomes met"
+
+
+@pytest.mark.lesson
+def test_gaps_that_cancel_pass_the_geometric_mask_and_fail_the_error_mask():
+    """A sequence the sampler saw 0.5 nats too likely at one token and 0.5 too unlikely at the
+    next: its geometric-mean w is exactly 1 (SkyRL keeps it), its mean exp(|log w|) is
+    e^0.5 = 1.65 (NeMo-RL's bound 1.5 drops it). The first asks whether the sequence as a whole
+    is on-policy, the second whether the sampler agreed anywhere it looked."""
+    old = torch.full((1, 2), -1.0)
+    mu = old + torch.tensor([[0.5, -0.5]])
+    mask = torch.ones(1, 2)
+    assert mismatch.sequence_mask(old, mu, mask, "geo-mask", 0.01).tolist() == [[1.0, 1.0]]
+    assert mismatch.sequence_mask(old, mu, mask, "seq-error-mask", 1.5).tolist() == [[0.0, 0.0]]
+
+
 def test_the_weight_multiplies_each_tokens_policy_gradient_and_carries_none():
     """grpo.policy_loss with rows.is_weight: each token's loss, and its gradient, are the
     uncorrected ones times its weight; the weight itself is never differentiated."""
@@ -211,6 +256,9 @@ def test_the_null_run_logs_a_zero_mismatch_and_learns_as_before(tmp_path):
                                    ["--rollout-stale", "1", "--rollout-correction", "mis",
                                     "--rollout-correction-level", "sequence"],
                                    ["--rollout-temperature", "1.5", "--rollout-correction", "tis"],
+                                   ["--rollout-stale", "1", "--rollout-correction", "geo-mask", "--geo-mask-eps", "0.5"],
+                                   ["--rollout-stale", "1", "--rollout-correction", "seq-error-mask",
+                                    "--seq-error-max", "3"],
                                    ["--lora-rank", "2", "--lr", "1e-2", "--rollout-stale", "1",
                                     "--rollout-correction", "tis"]])      # the sampler holds old adapters
 def test_a_made_mismatch_is_logged_and_corrected(flags, tmp_path):
@@ -231,6 +279,9 @@ def test_a_made_mismatch_is_logged_and_corrected(flags, tmp_path):
     (["--rollout-c-max", "5"], "--rollout-c-max: only --rollout-correction reads it"),
     (["--rollout-correction", "tis", "--rollout-c-min", "0.2"], "--rollout-c-min: only --rollout-correction mis"),
     (["--rollout-correction", "tis", "--task", "tools"], "--task: the tool task's multi-turn episodes do not record"),
+    (["--rollout-correction", "geo-mask", "--geo-mask-eps", "0"], "--geo-mask-eps: must be in (0, 1)"),
+    (["--rollout-correction", "seq-error-mask", "--seq-error-max", "1"], "--seq-error-max: must be > 1"),
+    (["--rollout-correction", "tis", "--geo-mask-eps", "0.1"], "--geo-mask-eps: only --rollout-correction geo-mask"),
     (["--rollout-correction", "tis", "--algo", "rce"], "--rollout-correction: only --algo grpo and ppo use it"),
 ])
 def test_bad_mismatch_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):
