@@ -25,6 +25,7 @@ past the other edge keeps its gradient (A < 0 at r = 100: weight 100), hence dua
     dppo-tv    the move of a token's probability, not of its ratio, bounded;     prime-rl, verl
     dppo-kl    by |p - p_old| or a Bernoulli KL (trust_regions.py)               "dppo_tv", "dppo_kl"
     sq-logratio  -A log pi + (beta / 2) (log r)^2, no clip (trust_regions.py)    Tinker "dro"
+    vespo      -phi(w) A log pi, a gamma weight of the sequence's ratio           TRL "vespo"
 
 and, with any of them, --top-entropy-quantile 0.2 trains only the 20% of tokens of highest
 entropy (TRL's top_entropy_quantile, the "80/20" of Wang et al. 2025).
@@ -54,6 +55,7 @@ OBJECTIVES = {
     "dppo-tv": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-tv", hp.dppo_delta),
     "dppo-kl": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-kl", hp.dppo_kl_delta),
     "sq-logratio": lambda logp, old, adv, mask, keep, hp: trust_regions.sq_logratio(logp, old, adv, hp.sq_beta),
+    "vespo": lambda logp, old, adv, mask, keep, hp: trust_regions.vespo(logp, old, adv, mask),
 }
 POLICY_LOSSES = ("clip", *OBJECTIVES)       # clip: PPO's, on GSPO's sequence ratio too (grpo.policy_loss)
 
@@ -289,11 +291,9 @@ def high_entropy_mask(entropy, mask, quantile: float):
 
 
 def policy_gradient_loss(logp, old_logp, adv, mask, hp, keep=None):
-    """The per-token policy-gradient loss (n, C) of hp.policy_loss (OBJECTIVES), and where its
-    bounds bit (low, high), (n, C) bool each. Every one takes the token ratio; 'clip' itself (on
-    GSPO's sequence ratio too) is ppo_clip, called by grpo.policy_loss. keep (n, C): the 80/20
-    mask (high_entropy_mask) or None. The caller multiplies a token's loss by it, except GMPO's,
-    whose geometric mean is taken over the kept tokens instead."""
+    """The per-token loss (n, C) of hp.policy_loss (OBJECTIVES; 'clip' is grpo.policy_loss's
+    ppo_clip) and where its bounds bit (low, high). keep (n, C): the 80/20 mask or None; the
+    caller multiplies by it, except GMPO's, whose geometric mean is over the kept tokens."""
     if hp.policy_loss not in OBJECTIVES:
         raise ValueError(f"unknown --policy-loss {hp.policy_loss!r}; expected one of {POLICY_LOSSES}")
     return OBJECTIVES[hp.policy_loss](logp, old_logp, adv, mask, keep, hp)

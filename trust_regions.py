@@ -25,15 +25,23 @@ no mask and no clip: a soft trust region whose pull back grows with the distance
 (Tinker's "dro", Kimi K2's; prime-rl adds the same square at 1e-3 to DPPO). Its gradient is
 (-A + beta log r) grad log p: the plain policy gradient at r = 1.
 
+    vespo     loss_it = -phi(w_i) A_i log p_it,   phi(w) = e^lam w^k e^(-lam w)  (phi(1) = 1, no gradient)
+
+w_i = prod_t r_it the *product* of sequence i's token ratios; k and lam are (2, 3) for A >= 0
+and (3, 2) for A < 0 (TRL's `get_gamma_weights`, VESPO's defaults): a gamma-shaped weight that
+fades smoothly as the sequence's ratio leaves 1 either way, instead of a hard edge.
+
     python train.py --policy-loss dppo-tv --epochs 2      # two epochs: the ratio leaves 1
 
 The lesson as a test: `python -m pytest -q tests/test_trust_regions.py -m lesson`.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 DPPO = ("dppo-tv", "dppo-kl")
+VESPO = {"k_pos": 2.0, "lam_pos": 3.0, "k_neg": 3.0, "lam_neg": 2.0}     # TRL's vespo_k_pos ... defaults
 
 
 @dataclass
@@ -55,6 +63,11 @@ def problems(cfg):
     for name in ("dppo_delta", "dppo_kl_delta", "sq_beta"):
         if getattr(cfg, name) <= 0:
             yield name, f"must be > 0, got {getattr(cfg, name)}"
+    if cfg.policy_loss == "vespo" and cfg.algo != "grpo":
+        yield "policy-loss", f"vespo weighs a sequence by one advantage; --algo {cfg.algo} has none"
+    if cfg.policy_loss == "vespo" and cfg.rollout_correction != "none":
+        yield "policy-loss", ("vespo folds the sampler's weight into its own w (TRL); here the correction would "
+                              "multiply it again: leave --rollout-correction none")
 
 
 def per_token(adv, like):
@@ -92,3 +105,19 @@ def sq_logratio(logp, old_logp, adv, beta: float):
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio.detach())
     return -a * logp + 0.5 * beta * log_ratio ** 2, ratio < 0.8, ratio > 1.2
+
+
+def vespo(logp, old_logp, adv, mask):
+    """VESPO's per-token loss (n, C), on GRPO's sequence advantages; low and high report where
+    phi(w) fell below 0.5, by the sign of A (its soft bound, as surrogates.sapo reports its own)."""
+    lower = math.log(1e-8)                                    # TRL's clamp of log w, as the paper's code
+    log_r = (logp - old_logp).detach().clamp(-20.0, 20.0)
+    log_w = torch.where(mask.bool(), log_r, 0.0).sum(1).clamp(lower, 20.0)             # (n,)
+    pos = adv >= 0
+    k = torch.where(pos, VESPO["k_pos"], VESPO["k_neg"])
+    lam = torch.where(pos, VESPO["lam_pos"], VESPO["lam_neg"])
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)  # (n,)
+    loss = -(phi * adv).unsqueeze(1) * logp
+    faded = (phi < 0.5).unsqueeze(1).expand_as(logp)
+    return loss, faded & ~pos.unsqueeze(1), faded & pos.unsqueeze(1)
+

@@ -19,6 +19,16 @@ PER_MICRO_BATCH = ("clip-cov", "kl-cov")
 INVARIANT = [name for name in surrogates.POLICY_LOSSES if name not in PER_MICRO_BATCH]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tensors this small gain nothing from a second thread; beside another job a second one made
+    this file 40x slower (spinning threads). train.py takes 1 thread for the tiny model too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 MODEL = tiny_model()
 HEAD = ppo.ValueHead(MODEL.config.hidden_size)
 torch.nn.init.normal_(HEAD.linear.weight, std=0.1, generator=torch.Generator().manual_seed(5))

@@ -1,7 +1,7 @@
 """trust_regions.py against re-implementations of prime-rl's, verl's and Tinker's code (values
 and gradients), the lesson (PPO's region in probability is p_old-sized, DPPO's is not), and
 --policy-loss dppo-tv / dppo-kl / sq-logratio through train.py."""
-import dataclasses
+import math
 
 import pytest
 import torch
@@ -61,6 +61,22 @@ def tinker_dro(target_logprobs, sampling_logprobs, advantages, beta):
     return -(target_logprobs * advantages - 0.5 * beta * quadratic_term)
 
 
+def trl_vespo(per_token_logps, old_per_token_logps, advantages, mask):
+    """TRL's GRPOTrainer with loss_type="vespo" (get_gamma_weights, default k and lambda), no
+    vLLM correction, its per-token loss summed over the mask's tokens and divided by their count."""
+    lower_clamp = math.log(1e-8)
+    log_ratio_clamped = torch.clamp(per_token_logps - old_per_token_logps, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = advantages >= 0
+    k_seq = torch.where(is_nonneg_adv, 2.0, 3.0)
+    lambda_seq = torch.where(is_nonneg_adv, 3.0, 2.0).clamp(min=1e-4)
+    phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    per_token_loss = -phi_seq.detach() * advantages * per_token_logps
+    return (per_token_loss * mask).sum() / mask.sum()
+
+
 def ours(name, logp, old, adv, mask, **knobs):
     hp = grpo.HyperParams(mini_batch=6, micro_batch=6, policy_loss=name, **knobs)
     return surrogates.policy_gradient_loss(logp, old, adv, mask, hp)
@@ -103,6 +119,37 @@ def test_sq_logratio_is_tinkers_dro_in_value_and_gradient():
         (g_mine,) = torch.autograd.grad((mine * mask).sum(), logp)
         (g_theirs,) = torch.autograd.grad((theirs * mask).sum(), logp)
         torch.testing.assert_close(g_mine, g_theirs)
+
+
+def test_vespo_is_trls_in_value_and_gradient():
+    for seed in range(4):
+        logp, old, adv, mask = inputs(seed, c=3)              # short sequences: products near 1 too
+        logp = (old + 0.3 * (logp.detach() - old)).requires_grad_(True)
+        per_token, _, _ = ours("vespo", logp, old, adv, mask)
+        mine = grpo.aggregate(per_token, mask, "token-mean", 6, mask.sum(), 3)
+        theirs = trl_vespo(logp, old, adv.unsqueeze(1), mask)
+        torch.testing.assert_close(mine, theirs)
+        (g_mine,) = torch.autograd.grad(mine, logp)
+        (g_theirs,) = torch.autograd.grad(theirs, logp)
+        torch.testing.assert_close(g_mine, g_theirs)
+
+
+@pytest.mark.lesson
+def test_vespos_weight_peaks_where_the_update_has_not_gone_yet():
+    """phi(w) = e^lam w^k e^(-lam w): 1 at w = 1 (the plain policy gradient), largest at w = k/lam:
+    2/3 for A > 0 (phi = 4e/9 = 1.21) and 1.5 for A < 0 (27/(8e) = 1.24). A sequence the updates
+    already made likelier (w = 2, A > 0: phi = 4/e^3 = 0.20) or less likely (w = 0.5, A < 0:
+    phi = e/8 = 0.34) is pushed further only faintly; one that moved the other way, harder."""
+    def phi(w: float, a: float) -> float:
+        logp = torch.tensor([[math.log(w) - 1.0]], requires_grad=True)
+        loss, _, _ = trust_regions.vespo(logp, torch.tensor([[-1.0]]), torch.tensor([a]), torch.ones(1, 1))
+        (grad,) = torch.autograd.grad(loss.sum(), logp)
+        return -grad.item() / a                                      # d loss / d log p = -phi A
+    assert phi(1.0, 1.0) == pytest.approx(1.0) and phi(1.0, -1.0) == pytest.approx(1.0)
+    assert phi(2 / 3, 1.0) == pytest.approx(4 * math.e / 9, rel=1e-5)
+    assert phi(1.5, -1.0) == pytest.approx(27 / (8 * math.e), rel=1e-5)
+    assert phi(2.0, 1.0) == pytest.approx(4 / math.e ** 3, rel=1e-5)
+    assert phi(0.5, -1.0) == pytest.approx(math.e / 8, rel=1e-5)
 
 
 def kept_up_to(name, p_old: float, **knobs) -> float:
@@ -157,7 +204,8 @@ def test_a_trust_region_of_no_width_is_refused_in_one_line(field, value, message
 
 
 @pytest.mark.parametrize("flags", [["--policy-loss", "dppo-tv"], ["--policy-loss", "dppo-kl"],
-                                   ["--policy-loss", "sq-logratio"], ["--norm", "maxrl"]])
+                                   ["--policy-loss", "sq-logratio"], ["--policy-loss", "vespo"],
+                                   ["--norm", "maxrl"]])
 def test_each_2026_method_trains_and_changes_only_the_update(flags, clip_run, tmp_path):
     """Five steps of two epochs (the ratio leaves 1): the same rollouts as the clip run up to the
     first update, whose loss differs; every later step updates."""
@@ -168,3 +216,13 @@ def test_each_2026_method_trains_and_changes_only_the_update(flags, clip_run, tm
     assert clip_run[first]["reward_mean"] == other[first]["reward_mean"], "the same rollouts until the first update"
     assert clip_run[first]["loss"] != other[first]["loss"], "another objective"
     assert all(row["updated"] for row in other[1:])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy-loss", "vespo", "--algo", "ppo"], "--policy-loss: vespo weighs a sequence by one advantage"),
+    (["--policy-loss", "vespo", "--rollout-stale", "1", "--rollout-correction", "tis"],
+     "--policy-loss: vespo folds the sampler's weight into its own w"),
+])
+def test_vespo_where_it_cannot_mean_what_trl_means_is_refused(argv, message, tmp_path, capsys):
+    from conftest import assert_refused_in_one_line
+    assert_refused_in_one_line(tmp_path, capsys, argv, message)
