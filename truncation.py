@@ -5,20 +5,23 @@ A sampler with top-p or top-k draws only from the tokens it keeps, K, renormalis
     mu(y) = pi(y) / S    for y in K,    S = sum over K of pi(y)  (the kept mass),    0 elsewhere
 
 The trainer scores the same token over the whole vocabulary, pi(y), so even with the very
-weights that sampled, every sampled token's ratio is
+weights that sampled, every sampled token's ratio trainer / sampler is
 
     r = pi(y) / mu(y) = S        (log r = log S < 0, the same for every token of a step)
 
-not 1: "on-policy" training with top-p 0.8 sees ratios near 0.8, at the edge of PPO's
-[0.8, 1.2], and every policy-gradient term r A grad log pi is scaled by S (TRL PR #7269 on
-Qwen2.5-1.5B, top-p 0.8: mean ratio 0.896, 51.8% of tokens outside [0.9, 1.1]). The fix now in
+not 1. A trainer that takes the sampler's log-probs as pi_old (prime-rl; TRL with vLLM's) gets
+it as PPO's ratio: "on-policy" training with top-p 0.8 sees ratios near 0.8, at the edge of
+[0.8, 1.2], and every term r A grad log pi scaled by S (TRL PR #7269 on Qwen2.5-1.5B, top-p 0.8:
+mean ratio 0.896, 51.8% of tokens outside [0.9, 1.1]). One that recomputes pi_old, as train.py
+does, gets it as the mismatch weight w = pi_old / mu of mismatch.py. The fix now in
 vLLM, prime-rl, slime and SkyRL, the *mask replay*: record K when sampling and renormalise the
 trainer's log-probs over it,
 
     log pi_K(y) = log pi(y) - log S        so r = pi_K(y) / mu(y) = 1 on-policy, exactly.
 
 This project samples with top-p 1 and top-k 0 (K is the whole vocabulary, S = 1), so its runs
-are not exposed; the functions below show the bias and its fix exactly, on any logits.
+are not exposed (train.py has no --top-p yet); the functions below show the bias and its fix
+exactly, on any logits.
 `kept` follows transformers' own warpers (top-k first, then top-p over what top-k kept, the
 token that crosses p included), which the test checks it against.
 
