@@ -26,6 +26,10 @@ or drop a whole sequence (weight 0 on its tokens, 1 on a kept one's):
     geo-mask        exp(mean_t log w_t) outside [1 - eps, 1 + eps], eps 0.01      SkyRL's default
     seq-error-mask  mean_t exp(|log w_t|) above a bound, 2.0                       NeMo-RL's recipes
 
+or no weight at all, the sampler's log-probs taken as pi_old (`bypass`: prime-rl, which never
+recomputes them; verl's bypass mode): the update's ratio is then pi / mu, so PPO's clip or
+DPPO's mask is the trust region against the sampler itself (the DPPO paper's setting).
+
 To see it on a CPU, without vLLM, this module makes the sampler differ on purpose
 (`RolloutPolicy`): a bf16 copy of the policy (`--rollout-dtype bf16`), the weights of n
 updates ago (`--rollout-stale n`) or another temperature (`--rollout-temperature`). The
@@ -44,7 +48,7 @@ import torch
 from torch import nn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}          # --rollout-dtype; "same": the policy
-CORRECTIONS = ("none", "tis", "mis", "geo-mask", "seq-error-mask")
+CORRECTIONS = ("none", "tis", "mis", "geo-mask", "seq-error-mask", "bypass")
 SEQUENCE_MASKS = ("geo-mask", "seq-error-mask")
 LEVELS = ("token", "sequence")
 
@@ -60,8 +64,9 @@ class Knobs:
                                        "scores at --temperature; 0 = the same", "min": 0, "max": 1e3})
     rollout_correction: str = field(default="none", metadata={
         "help": "correct the mismatch: tis (truncated IS, min(w, C_max)), mis (masked IS / ICEPOP: w outside "
-                "[C_min, C_max] drops its token), or drop whole sequences: geo-mask (SkyRL), seq-error-mask "
-                "(NeMo-RL); w = pi_old / pi_sampler", "choices": CORRECTIONS,
+                "[C_min, C_max] drops its token), drop whole sequences: geo-mask (SkyRL), seq-error-mask "
+                "(NeMo-RL); w = pi_old / pi_sampler; or bypass: the sampler's log-probs are pi_old (prime-rl)",
+        "choices": CORRECTIONS,
         "algos": ("grpo", "ppo")})
     geo_mask_eps: float = field(default=0.01, metadata={"help": "--rollout-correction geo-mask: a sequence whose "
                                 "geometric-mean w leaves [1 - eps, 1 + eps] is dropped", "needs": "rollout_correction",
@@ -211,8 +216,8 @@ def sequence_mask(old_logp, rollout_logp, mask, mode: str, bound: float) -> torc
 def weigh(batch, hp) -> None:
     """Fill batch.is_weight (N, C) from the sampler's log-probs and the policy's recomputed
     old ones, by hp.rollout_correction at hp.rollout_correction_level; None without one."""
-    if hp.rollout_correction == "none" or batch.rollout_logp is None:
-        batch.is_weight = None
+    if hp.rollout_correction in ("none", "bypass") or batch.rollout_logp is None:
+        batch.is_weight = None                 # bypass: train.rl_step trains on the sampler's log-probs
         return
     if hp.rollout_correction in SEQUENCE_MASKS:
         bound = hp.geo_mask_eps if hp.rollout_correction == "geo-mask" else hp.seq_error_max

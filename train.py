@@ -143,6 +143,8 @@ def rl_step(learner: Learner, prompts: list, hp: grpo.HyperParams, draw: Callabl
         batch.advantages = torch.zeros(len(batch.rewards), device=batch.completion_mask.device)
     # DAPO: completions cut at the limit leave the loss (a copy; the metrics read the whole batch)
     trained = rewards.mask_truncated(batch) if hp.mask_truncated else batch
+    if hp.rollout_correction == "bypass":       # pi_old is the sampler (mismatch.py); the metrics keep both
+        trained = dataclasses.replace(trained, old_logp=trained.rollout_logp)
     skipped = why_no_update(trained, outcomes, extra, hp, finite)
     if skipped is None:
         with learner.autocast():

@@ -310,3 +310,19 @@ def test_a_resumed_stale_sampler_samples_what_an_uninterrupted_one_does(tmp_path
     whole, cut = metrics(tmp_path / "whole")[1:], metrics(tmp_path / "cut")[1:]
     for key in ("reward_mean", "loss", "sampling/raw_importance_ratio/mean"):
         assert [r[key] for r in cut] == pytest.approx([r[key] for r in whole], rel=1e-5), key
+
+
+def test_under_bypass_the_update_takes_the_samplers_log_probs_as_pi_old(tmp_path):
+    """One epoch, one mini-batch: with pi_old recomputed every ratio the update sees is exactly 1;
+    with --rollout-correction bypass it is pi / mu, here a sampler one update stale, so it leaves
+    1; both runs log the same kind of mismatch (the metrics keep the recomputed pi_old)."""
+    import train
+    ratios = {}
+    for name, flags in (("recomputed", ["--log-mismatch"]), ("bypass", ["--rollout-correction", "bypass"])):
+        train.train(configure(quick(tmp_path, name, "--steps", "4", "--eval-every", "4", "--epochs", "1",
+                                    "--entropy-coef", "0.01", "--rollout-stale", "1", *flags)))
+        rows = metrics(tmp_path / name)[2:]                       # from the second update the sampler is stale
+        ratios[name] = [(r["ratio_min"], r["ratio_max"]) for r in rows]
+        assert all(r["sampling/sampling_logp_difference/max"] > 1e-3 for r in rows), name
+    assert all(lo == pytest.approx(1.0, abs=1e-5) and hi == pytest.approx(1.0, abs=1e-5) for lo, hi in ratios["recomputed"])
+    assert all(hi - lo > 1e-3 for lo, hi in ratios["bypass"])
