@@ -1,9 +1,9 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all twenty experiments, 6 seeds per setting (20 for the
+    python -m lab                        # all twenty-two experiments, 6 seeds per setting (20 for the
                                          # collapse experiments; docs/lab-notebook.md: its time)
     python -m lab group_norm tools       # some of them
-    python -m lab --quick                # all twenty, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python -m lab --quick                # all twenty-two, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
     python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
                                          # into results/smollm2-135m; stop it and run it again to continue
