@@ -61,7 +61,7 @@ import trust_regions
 import update
 
 RATIO_LEVELS = ("token", "sequence")                                  # importance_ratio
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "constant")      # aggregate
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant")      # aggregate
 
 
 @dataclass
@@ -97,7 +97,8 @@ def own_defaults(cfg, given: dict):
         cfg = replace(cfg, loss_agg=surrogates.OWN_AGGREGATION[cfg.policy_loss])
     if cfg.ratio_level != "sequence":
         return cfg
-    return replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given})
+    own = {"loss_agg"} if cfg.policy_loss in surrogates.OWN_AGGREGATION else set()      # LUSPO's, not GSPO's
+    return replace(cfg, **{k: v for k, v in GSPO_DEFAULTS.items() if k not in given and k not in own})
 
 
 # the lessons whose knobs one step's advantages and update read
@@ -145,7 +146,6 @@ def prepare(batch, hp: HyperParams) -> None:
 # ---- the loss ----
 
 
-
 def importance_ratio(logp, old_logp, mask, level: str):
     """How much more likely the policy now makes what was sampled than the policy that sampled.
 
@@ -170,13 +170,12 @@ def importance_ratio(logp, old_logp, mask, level: str):
     return torch.exp(mean_log_ratio).unsqueeze(1)                               # (n, 1)
 
 
-
-
 def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, max_len: int):
     """Reduce a per-token loss (n, C) to a scalar.
 
     token-mean           sum_it loss_it / (tokens in the mini-batch)          (DAPO, TRL)
     seq-mean-token-mean  sum_i (sum_t loss_it / len_i) / (sequences in it)     (original GRPO)
+    seq-mean-token-sum   sum_it loss_it / (sequences in it)                    (LUSPO; verl's name)
     constant             sum_it loss_it / (sequences * max_len)                (Dr. GRPO)
 
     The denominators are those of the whole mini-batch (one optimizer step's worth; the
@@ -191,6 +190,8 @@ def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, ma
         return kept.sum() / batch_tokens
     if mode == "seq-mean-token-mean":
         return (kept.sum(1) / m.sum(1).clamp_min(1)).sum() / batch_seqs
+    if mode == "seq-mean-token-sum":
+        return kept.sum() / batch_seqs
     if mode == "constant":
         return kept.sum() / (batch_seqs * max_len)
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
@@ -224,7 +225,7 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     keep = None                                 # 80/20: the policy gradient on the forking tokens only
     if hp.top_entropy_quantile < 1:
         keep = surrogates.high_entropy_mask(entropy, mask, hp.top_entropy_quantile)   # (n, C)
-    if hp.policy_loss == "clip":                # PPO's clip, on the token ratio or GSPO's sequence ratio
+    if hp.policy_loss in ("clip", "luspo"):     # PPO's clip, on the token ratio or GSPO's sequence ratio
         ratio = importance_ratio(logp, old_logp, mask, hp.ratio_level)         # (n, C) or (n, 1)
         per_token, low, high = (t.expand_as(logp) for t in                      # (n, C): a sequence's
                                 surrogates.ppo_clip(ratio, rows.advantages, *surrogates.clip_range(hp)))   # on its tokens
@@ -252,7 +253,7 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     sums.update(entropy=(entropy.detach() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item())
     # clip fractions: the share of policy tokens; under GSPO's one ratio a sequence, the share of
     # sequences (TRL's), so a long clipped sequence does not count more than a short one
-    seq_level = hp.policy_loss == "clip" and hp.ratio_level == "sequence"
+    seq_level = hp.policy_loss in ("clip", "luspo") and hp.ratio_level == "sequence"
     for name, bit in (("clip_frac", clipped), ("clip_frac_low", low), ("clip_frac_high", high)):
         if seq_level:
             sums["per_seq/" + name] = (bit[:, 0] & mask.bool().any(1)).sum().item()

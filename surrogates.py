@@ -26,6 +26,7 @@ past the other edge keeps its gradient (A < 0 at r = 100: weight 100), hence dua
     dppo-kl    by |p - p_old| or a Bernoulli KL (trust_regions.py)               "dppo_tv", "dppo_kl"
     sq-logratio  -A log pi + (beta / 2) (log r)^2, no clip (trust_regions.py)    Tinker "dro"
     vespo      -phi(w) A log pi, a gamma weight of the sequence's ratio           TRL "vespo"
+    luspo      GSPO's clipped sequence ratio, its loss summed over the tokens     TRL "luspo"
 
 and, with any of them, --top-entropy-quantile 0.2 trains only the 20% of tokens of highest
 entropy (TRL's top_entropy_quantile, the "80/20" of Wang et al. 2025).
@@ -55,17 +56,15 @@ OBJECTIVES = {
     "dppo-tv": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-tv", hp.dppo_delta),
     "dppo-kl": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-kl", hp.dppo_kl_delta),
     "sq-logratio": lambda logp, old, adv, mask, keep, hp: trust_regions.sq_logratio(logp, old, adv, hp.sq_beta),
-    "vespo": lambda logp, old, adv, mask, keep, hp: trust_regions.vespo(logp, old, adv, mask),
-}
-POLICY_LOSSES = ("clip", *OBJECTIVES)       # clip: PPO's, on GSPO's sequence ratio too (grpo.policy_loss)
+    "vespo": lambda logp, old, adv, mask, keep, hp: trust_regions.vespo(logp, old, adv, mask)}
+POLICY_LOSSES = ("clip", "luspo", *OBJECTIVES)    # PPO's clip (and GSPO's, LUSPO's), in grpo.policy_loss
 
-# The loss aggregation (grpo.aggregate) an objective was written with, where it is not the
-# course's token-mean; running/config.py uses it unless --loss-agg is given. SAPO's paper
-# normalises each sequence by its length, verl forces seq-mean-token-mean for it and TRL
-# averages it per sequence (token-mean weighs a long sequence more: 0.32 apart on the same
-# inputs). GMPO's loss is one number per sequence, averaged over sequences (verl's geo_mean).
-OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
-CLIPPED = ("clip", "dual-clip", "clip-cov")           # the objectives PPO's [1 - eps, 1 + eps_high] bounds
+# The aggregation (grpo.aggregate) an objective was written with, where not token-mean (used
+# unless --loss-agg is given): SAPO's paper, verl and TRL average per sequence (token-mean weighs a
+# long sequence more: 0.32 apart on the same inputs); GMPO's loss is one number a sequence (verl's
+# geo_mean); LUSPO's is that number times the sequence's length (TRL's luspo).
+OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum"}
+CLIPPED = ("clip", "luspo", "dual-clip", "clip-cov")   # the objectives PPO's [1 - eps, 1 + eps_high] bounds
 
 
 def knob(default, help, objective=CLIPPED, **more):
@@ -112,9 +111,11 @@ def problems(cfg):
         yield "clip-cov-lb", f"must be below clip_cov_ub ({cfg.clip_cov_ub}), got {cfg.clip_cov_lb}: no token could be chosen"
     if not 0 < cfg.top_entropy_quantile <= 1:
         yield "top-entropy-quantile", f"is a share of the tokens, in (0, 1] (1 = every token), got {cfg.top_entropy_quantile}"
-    if cfg.policy_loss != "clip" and cfg.ratio_level != "token":
+    if cfg.policy_loss not in ("clip", "luspo") and cfg.ratio_level != "token":
         yield "policy-loss", (f"{cfg.policy_loss} weighs each token by its own ratio; --ratio-level sequence is "
                               f"GSPO's clip, not a ratio the others take")
+    if cfg.policy_loss == "luspo" and cfg.ratio_level != "sequence":
+        yield "policy-loss", "luspo is GSPO's clip on the sequence ratio: give --ratio-level sequence too"
     if cfg.policy_loss == "gmpo" and cfg.algo != "grpo":
         yield "policy-loss", f"gmpo weighs a sequence by one advantage; --algo {cfg.algo} gives " + (
             "one per token (GAE)" if cfg.algo == "ppo" else "no ratio at all")

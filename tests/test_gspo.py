@@ -180,3 +180,55 @@ def test_the_sequence_ratio_alone_brings_gspos_clip_and_mean_and_says_so(tmp_pat
     train.train(config.parse_config(argv))
     assert "GSPO (--ratio-level sequence): --clip-eps 0.0003 --clip-eps-high 0.0004 --loss-agg seq-mean-token-mean" \
         in capsys.readouterr().err
+
+
+# ---- LUSPO: GSPO's clip, a sequence's loss summed over its tokens ----
+
+def trl_luspo(per_token_logps, old_per_token_logps, advantages, mask, epsilon_low, epsilon_high):
+    """TRL's GRPOTrainer, loss_type="luspo" with importance_sampling_level="sequence"."""
+    log_ratio = per_token_logps - old_per_token_logps
+    log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    return (per_token_loss * mask.sum(1, keepdim=True)).mean()
+
+
+def test_luspo_is_trls_in_value_and_gradient():
+    gen = torch.Generator().manual_seed(4)
+    old = -torch.rand(6, 5, generator=gen) * 2
+    logp = (old + 0.1 * torch.randn(6, 5, generator=gen)).requires_grad_(True)
+    adv = torch.randn(6, generator=gen)
+    mask = torch.ones(6, 5)
+    mask[0, 2:], mask[3, 4:] = 0, 0
+    mine = our_loss(logp, old, adv.unsqueeze(1), mask, agg="seq-mean-token-sum", eps_low=3e-4, eps_high=4e-4)
+    theirs = trl_luspo(logp, old, adv.unsqueeze(1), mask, 3e-4, 4e-4)
+    torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(*(torch.autograd.grad(x, logp)[0] for x in (mine, theirs)))
+
+
+@pytest.mark.lesson
+def test_luspo_weighs_a_sequence_by_its_length_where_gspo_weighs_each_alike():
+    """Two sequences at ratio 1 with one advantage, of 2 and 6 tokens: under GSPO's mean over
+    sequences each token of the short one gets 3x the long one's gradient (A s / |y|), so the two
+    sequences pull alike; under LUSPO every token gets A s: the long one pulls 3x as hard."""
+    old = torch.zeros(2, 6)
+    mask = torch.tensor([[1.0] * 2 + [0.0] * 4, [1.0] * 6])
+    grads = {}
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        logp = old.clone().requires_grad_(True)
+        (grads[agg],) = torch.autograd.grad(our_loss(logp, old, torch.ones(2, 1), mask, agg=agg), logp)
+    gspo, luspo = grads["seq-mean-token-mean"] * mask, grads["seq-mean-token-sum"] * mask
+    # GSPO: -A s / (|y| B) a token: -1/4 and -1/12; each sequence's tokens sum to -1/2
+    assert gspo[0, 0].item() == pytest.approx(-1 / 4) and gspo[1, 0].item() == pytest.approx(-1 / 12)
+    assert gspo.sum(1).tolist() == pytest.approx([-0.5, -0.5])
+    # LUSPO: -A s / B = -1/2 a token, whatever the length; the sequences sum to -1 and -3
+    assert luspo[mask.bool()].tolist() == pytest.approx([-0.5] * 8)
+    assert luspo.sum(1).tolist() == pytest.approx([-1.0, -3.0])
+
+
+def test_luspo_needs_the_sequence_ratio_and_brings_its_own_sum(tmp_path, capsys):
+    from conftest import assert_refused_in_one_line, configure
+    assert_refused_in_one_line(tmp_path, capsys, ["--policy-loss", "luspo"], "--policy-loss: luspo is GSPO's clip")
+    cfg = configure(quick(tmp_path, "l", "--policy-loss", "luspo", "--ratio-level", "sequence"))
+    assert (cfg.loss_agg, cfg.clip_eps, cfg.clip_eps_high) == ("seq-mean-token-sum", 3e-4, 4e-4)

@@ -225,7 +225,8 @@ def test_a_new_objective_is_one_registered_function(monkeypatch):
     come from surrogates.OBJECTIVES and the knobs' metadata: registering a function is the edit."""
     import surrogates
     from running import config
-    assert surrogates.POLICY_LOSSES == ("clip", *surrogates.OBJECTIVES)
+    # PPO's clip, and LUSPO (that clip on GSPO's ratio, with its own aggregation) are grpo.policy_loss's
+    assert surrogates.POLICY_LOSSES == ("clip", "luspo", *surrogates.OBJECTIVES)
     policy_loss = next(f for f in dataclasses.fields(config.Config) if f.name == "policy_loss")
     assert policy_loss.metadata["choices"] == surrogates.POLICY_LOSSES
     for f in dataclasses.fields(surrogates.Knobs):

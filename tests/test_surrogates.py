@@ -282,10 +282,12 @@ def test_gmpo_under_the_80_20_mask_averages_only_the_kept_tokens():
 
 
 @pytest.mark.parametrize("name", sorted(surrogates.OWN_AGGREGATION))
-def test_sapo_and_gmpo_aggregate_as_written_unless_loss_agg_is_given(name, tmp_path):
+def test_sapo_gmpo_and_luspo_aggregate_as_written_unless_loss_agg_is_given(name, tmp_path):
     from running import config
-    assert config.parse_config(["--policy-loss", name, "--out", str(tmp_path / "a")]).loss_agg == "seq-mean-token-mean"
-    given = config.parse_config(["--policy-loss", name, "--loss-agg", "token-mean", "--out", str(tmp_path / "b")])
+    level = ["--ratio-level", "sequence"] if name == "luspo" else []          # LUSPO's ratio is GSPO's
+    own = config.parse_config(["--policy-loss", name, *level, "--out", str(tmp_path / "a")]).loss_agg
+    assert own == surrogates.OWN_AGGREGATION[name] and own != "token-mean"
+    given = config.parse_config(["--policy-loss", name, *level, "--loss-agg", "token-mean", "--out", str(tmp_path / "b")])
     assert given.loss_agg == "token-mean"
 
 
@@ -344,7 +346,7 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     (["--policy-loss", "cispo", "--cispo-max", "-5"], "--cispo-max: must be in [1, 10000]"),
     (["--policy-loss", "sapo", "--sapo-tau-neg", "0"], "--sapo-tau-neg: must be in [0.001, 1000]"),
     (["--dual-clip-c", "4"], "--dual-clip-c: only --policy-loss dual-clip reads it"),
-    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: only --policy-loss clip, dual-clip and clip-cov read it; --policy-loss cispo would ignore it"),
+    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: only --policy-loss clip, luspo, dual-clip and clip-cov read it; --policy-loss cispo would ignore it"),
     (["--policy-loss", "sapo", "--ratio-level", "sequence"], "--policy-loss: sapo weighs each token by its own ratio"),
     (["--policy-loss", "gmpo", "--algo", "ppo"], "--policy-loss: gmpo weighs a sequence by one advantage; --algo ppo"),
     (["--policy-loss", "cispo", "--algo", "rce"], "--policy-loss: only --algo grpo and ppo use it"),
