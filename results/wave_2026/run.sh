@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for arm in "clip:" "dppotv:--policy-loss dppo-tv" "dppokl:--policy-loss dppo-kl" \
-           "sqlogratio:--policy-loss sq-logratio" "maxrl:--norm maxrl" "vespo:--policy-loss vespo"; do
+           "sqlogratio:--policy-loss sq-logratio" "maxrl:--norm maxrl" "vespo:--policy-loss vespo" \
+           "luspo:--policy-loss luspo --ratio-level sequence"; do
     name=${arm%%:*}; flags=${arm#*:}
     python train.py --k 8 --epochs 2 $flags --out "/tmp/wave_2026/$name" --overwrite
 done
