@@ -1,4 +1,4 @@
-"""Trust regions in probability space: DPPO's masks and the squared log-ratio (the 2026 wave).
+"""The 2026 trust regions: DPPO's masks in probability, the squared log-ratio, VESPO's soft weight.
 
 PPO's clip bounds each token's *ratio* r = p / p_old. Read in probability space, that is a
 region whose width depends on the token: a rare token (p_old = 0.01) may rise only to 0.012
@@ -22,7 +22,8 @@ prime-rl's default loss (delta 0.2 for TV), verl's `dppo_tv` / `dppo_kl` (whose 
     sq-logratio   loss_it = -A_it log p_it + (beta / 2) (log p_it - log p_old_it)^2
 
 no mask and no clip: a soft trust region whose pull back grows with the distance moved
-(Tinker's "dro", Kimi K2's; prime-rl adds the same square at 1e-3 to DPPO). Its gradient is
+(Tinker's "dro", beta 0.05 as its docs' example; Kimi K2's; prime-rl adds the same square at
+1e-3 to DPPO). Its gradient is
 (-A + beta log r) grad log p: the plain policy gradient at r = 1.
 
     vespo     loss_it = -phi(w_i) A_i log p_it,   phi(w) = e^lam w^k e^(-lam w)  (phi(1) = 1, no gradient)
@@ -46,7 +47,7 @@ VESPO = {"k_pos": 2.0, "lam_pos": 3.0, "k_neg": 3.0, "lam_neg": 2.0}     # TRL's
 
 @dataclass
 class Knobs:
-    """DPPO's trust region in probability space and the squared log-ratio's weight (2026)."""
+    """DPPO's trust region in probability and the squared log-ratio's weight (2026)."""
     dppo_delta: float = field(default=0.2, metadata={
         "help": "dppo-tv: the largest probability move |p - p_old| kept on the side the advantage pushes",
         "objective": ("dppo-tv",), "min": 0.0, "max": 1.0, "flag": False})
