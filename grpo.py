@@ -12,7 +12,7 @@ Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
     surrogate = min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)     (PPO)
     kl_it     = a per-token estimate of KL(policy || reference)                    (kl.py; k3 default)
     loss_it   = -surrogate + beta * kl_it - entropy_coef * H_it
-                (--policy-loss: dual-clip, CISPO, SAPO, GMPO, Clip-Cov or KL-Cov in its place: surrogates.py)
+                (--policy-loss: a 2025-26 objective in its place, surrogates.py; 2026's, trust_regions.py)
 
 summed over tokens and divided by one of three normalisers (`aggregate`).
 
