@@ -14,7 +14,7 @@ Per token t of sequence i, with the sequence's advantage A_i (advantages.py):
     loss_it   = -surrogate + beta * kl_it - entropy_coef * H_it
                 (--policy-loss: a 2025-26 objective in its place, surrogates.py; 2026's, trust_regions.py)
 
-summed over tokens and divided by one of three normalisers (`aggregate`).
+summed over tokens and divided by one of four normalisers (`aggregate`).
 
 DeepSeekMath's GRPO: group normalisation, several updates per batch (so ratios move and the
 clip acts), beta 0.04 with k3, each sequence's tokens averaged before the group. The default
