@@ -104,8 +104,13 @@ def silent_no_ops(row: dict, k: int, new_tokens: int) -> dict:
     a limit, and reward, loss and grad_norm sit at 0), and every advantage 0 because every group
     got one reward (TRL #3452: every ratio is 1 in the first epoch, so the loss is 0 and nothing
     is learned). The advantages, not the rewards, decide: under --norm global (K=1 too) or RCE's
-    weights a batch of one-reward groups still has advantages that differ from 0."""
+    weights a batch of one-reward groups still has advantages that differ from 0. And dynamic
+    sampling that found no group whose rewards differ (no update that step)."""
     said = {}
+    if row.get("update_skipped") == "no_group_kept":
+        said["no_group_kept"] = (f"dynamic sampling: in every one of its {row['sampling_rounds']} rounds, each "
+                                 f"prompt's {k} samples got the same reward, so no group could teach anything; no "
+                                 f"update this step (said once; update_skipped in metrics.jsonl marks each such step)")
     if row.get("completions/clipped_ratio") == 1.0:
         said["all_clipped"] = (f"every completion was cut at --max-new-tokens {new_tokens} before it ended (no "
                                f"EOS, no stop string): their rewards say little and the policy never learns to "

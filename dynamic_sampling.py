@@ -24,8 +24,9 @@ train.rl_step's guard sees it, counts it and skips the update.
 Under global norm a homogeneous group's advantages are not 0 (the batch mean is subtracted),
 so there the filter throws signal away; the flag allows it, and says so here. PPO (its critic
 gives every token a baseline) and RCE (equal rewards: plain imitation) are refused, and so is
-torchrun (ranks would sample different numbers of rounds): running/checks.py.
+torchrun (ranks would sample different numbers of rounds): running/config.py.
 """
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,6 +52,8 @@ def problems(cfg):
             "gives every token a baseline from its critic" if cfg.algo == "ppo" else "imitates them instead"))
     if cfg.dynamic_sampling and cfg.k < 2:
         yield "dynamic-sampling", f"compares the K rewards of a group and needs --k >= 2, got {cfg.k}"
+    if cfg.dynamic_sampling and "WORLD_SIZE" in os.environ:       # torchrun's
+        yield "dynamic-sampling", "not under torchrun: ranks would sample different numbers of rounds"
 
 # (N, ...) fields of a Rollout: the prompt's are left-padded, the completion's right-padded.
 # Every per-row field a round can carry is here (rollout_logp: the sampler's own log-probs, which

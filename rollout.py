@@ -10,8 +10,7 @@ loss, and the policy would never learn when to stop).
 
 Multi-turn episodes (`sample_episodes`, the tool task): the policy's turns and the
 environment's replies alternate after the prompt. A token the environment inserted (a
-`<tool_response>`) is attended to (completion_attn) but never trained on (completion_mask 0):
-the policy did not choose it. `sampling` below is a tasks.Sampling.
+`<tool_response>`) is attended to (completion_attn) but never trained on (completion_mask 0).
 """
 import re
 from dataclasses import dataclass, field
@@ -226,8 +225,8 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
 
 @torch.no_grad()
 def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bool = True) -> Rollout:
-    """Fill old_logp (unless record_old_logp=False and there is no value head), old_values and
-    ref_logp of a sampled batch, sampling.forward_batch sequences per forward; returns the batch."""
+    """Fill a sampled batch's old_logp (unless record_old_logp=False and no value head), old_values
+    and ref_logp (None without a reference), sampling.forward_batch sequences a forward; the batch."""
     n = len(batch.completion_ids)
     size = sampling.forward_batch or n
 
@@ -242,8 +241,9 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
         return torch.cat(logps), (torch.cat(values) if critic is not None else None)
     if record_old_logp or models.value_head is not None:
         batch.old_logp, batch.old_values = forward(models.model, models.value_head)       # (N, C) each
-    with lora.adapters_off(models.ref):        # LoRA: the reference is the policy, its adapters off
-        batch.ref_logp = forward(models.ref)[0] if models.ref is not None else None      # (N, C)
+    if models.ref is not None:                 # LoRA: the reference is the policy, its adapters off
+        with lora.adapters_off(models.ref):
+            batch.ref_logp = forward(models.ref)[0]                                      # (N, C)
     return batch
 
 

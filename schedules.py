@@ -46,6 +46,10 @@ def problems(cfg):
     if cfg.curriculum and cfg.difficulty < 2:
         yield "curriculum", (f"moves from difficulty 1 up to --difficulty; give --difficulty 2 or more "
                              f"(it is {cfg.difficulty})")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        yield "min-lr", f"must be in [0, --lr], got {cfg.min_lr}"
+    if not 0 <= cfg.warmup_steps < cfg.steps:
+        yield "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}"
     if cfg.curriculum and cfg.steps < cfg.difficulty:
         yield "curriculum", f"needs a step per difficulty at least: --steps {cfg.steps} < --difficulty {cfg.difficulty}"
 

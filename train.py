@@ -17,17 +17,14 @@ The default run is not DeepSeekMath's GRPO. It departs in four places, each a fl
 
 so it is the plain policy gradient with a baseline (grpo.py says what each one changes).
 
-Before the first step `reference_and_optimizer` builds the reference (a frozen copy of the
-policy RL starts from) and the optimizer. One step (`rl_step`): the task (tasks/) samples K completions
-or tool-calling episodes per prompt (rollout.py, logprobs.py) and scores them (rewards.py); the
-algorithm's `prepare` makes advantages (grpo.py and advantages.py; ppo.py: per token, a critic
-and GAE; rce.py: reward weights); update.py's loop differentiates its `loss`. Around it, the loop
-sets each step's lr, entropy bonus and beta (step_hyper_params), moves the controllers and counts
-report 001's collapses (`steer`); running/bookkeeping.py evaluates, logs and checkpoints, and
-running/session.py opens and closes the run (lock, resume, signals, summary). The run's folder
-(--out) holds config.json, metrics.jsonl (every metric: docs/metrics.md), samples.jsonl,
-summary.json, curves.png and, with --save-every, checkpoints/ (`--resume RUN` continues). Under
-torchrun each rank runs this file on its share of the prompts (docs/lessons/6-torchrun.md).
+`build` makes the policy, the critic, the reference, the optimizer and the controllers. One step
+(`rl_step`): the task (tasks/) samples K completions or tool episodes per prompt (rollout.py,
+logprobs.py) and scores them (rewards.py); the algorithm's `prepare` makes advantages (grpo.py,
+advantages.py; ppo.py: a critic and GAE; rce.py: reward weights); update.py differentiates its
+`loss`. The loop sets each step's lr, entropy bonus and beta (step_hyper_params) and moves the
+controllers (`steer`); running/session.py opens the run and, after each step, evaluates, logs
+and checkpoints (`end_step`). The run's folder (--out, docs/metrics.md) holds config.json,
+metrics.jsonl, samples.jsonl, summary.json, curves.png and, with --save-every, checkpoints/.
 """
 import copy
 import dataclasses
@@ -41,10 +38,12 @@ import torch
 
 import diagnostics
 import dynamic_sampling
+import entropy_control
 import grpo
 import kl
 import lora
 import mismatch
+import monitor
 import ppo
 import rce
 import rewards
@@ -52,21 +51,34 @@ import rollout
 import schedules
 import update
 from running import checkpoint, distributed
-from running.bookkeeping import end_step
 from running.config import Config, fail, parse_config
-from running.session import Learner, Run, RankLost, open as open_run
-from running.session import stopped_at_once
-from models import pretrained
+from running.session import Learner, Run, RankLost, end_step, open as open_run, stopped_at_once
+from models import policy, pretrained
 loading.loaded()
 
 
-# ---- built once, before the first step (running/session.py calls it with the loaded policy) ----
+# ---- built once, before the first step (running/session.py calls it) ----
+
+def build(cfg: Config, task, device: str, log, init: dict | None) -> dict:
+    """What RL starts from: the policy, PPO's critic (ppo.py), the reference and the
+    optimizer, and the controllers the loop moves (steer): beta's (kl.py), adaptive entropy's
+    (entropy_control.py; None: the schedule), the monitor's alerts and report 001's collapse
+    count (monitor.py). init: --init-from's checkpoint, pinned (running/session.py)."""
+    model, tok = policy.load(cfg, task, device, log, init)       # the warm-started policy
+    critic = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
+        ppo.ValueHead(model.config.hidden_size).to(device)
+    ref, optimizer = reference_and_optimizer(cfg, model, critic)
+    rule = kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min, cfg.kl_target_max, cfg.kl_horizon, cfg.n)
+    adaptive = entropy_control.AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta)
+    return dict(model=model, tok=tok, critic=critic, ref=ref, optimizer=optimizer,
+                kl_control=kl.KLController(cfg.beta, rule),
+                entropy_control=adaptive if cfg.entropy_target > 0 else None,
+                stability=monitor.StabilityMonitor(cfg.alert_entropy), collapse=monitor.CollapseCount(cfg.n))
+
 
 def reference_and_optimizer(cfg: Config, model, critic) -> tuple:
-    """The reference: the policy RL starts from, frozen (the warm start; with --init-from the
-    first stage's weights, as TRL and verl take the initial policy), kept only when beta > 0.
-    With --lora-rank the policy's weights are frozen and adapters trained beside them (lora.py):
-    the reference is then the policy itself with its adapters off, no copy.
+    """The reference: the policy RL starts from, frozen (as TRL and verl take it), kept only when
+    beta > 0; under --lora-rank (lora.py) the policy itself with its adapters off, no copy.
     The optimizer: AdamW without weight decay (or plain SGD, --optimizer sgd), over param_groups."""
     if cfg.lora_rank:
         if not lora.add_adapters(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed):
@@ -240,7 +252,7 @@ def exit_code(summary: dict) -> int:
 def train(cfg: Config) -> dict:
     """Run GRPO, PPO or RCE as configured (or resume it) in its locked folder; write the run's
     files; return its summary (summary.json)."""
-    with open_run(cfg, reference_and_optimizer) as run:   # load, resume, logs, lock, signals; the summary after
+    with open_run(cfg, build) as run:   # load, resume, logs, lock, signals; the summary after
         task = run.learner.task
         for step in range(run.state.step + 1, cfg.steps + 1):
             run.step_started = time.time()

@@ -55,6 +55,12 @@ class Knobs:
                        "longest sequence"})
 
 
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.mini_batch and cfg.n % cfg.mini_batch:
+        yield "mini-batch", f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}"
+
+
 @dataclass
 class MiniBatch:
     """The sequences of one optimizer step, cut into micro-batches (one forward each)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lab import compare, stats
 from lab.common import Lab, mean, metric_rows
-from running import plots
+from running import report
 
 SEEDS = range(100, 120)
 ONE_ANSWER, VALID, BEST = 0.9, 0.9, 0.6       # the collapse rule's thresholds (above)
@@ -152,7 +152,7 @@ def fixes_entry(lab: Lab, name: str, runs: dict, base: str, least: int, fewer: i
     base_runs = runs["baseline (defaults)"]
     first = json.loads((Path(base_runs[0]["out"]) / "config.json").read_text())
     compare.figure(runs, lab.dir(name) / "compare.png",
-                   f"{name}: {len(base_runs)} seeds from {SEEDS.start}, {base} + one fix each; {plots.made_by(first)}",
+                   f"{name}: {len(base_runs)} seeds from {SEEDS.start}, {base} + one fix each; {report.made_by(first)}",
                    ("entropy", "eval_best_rate", "eval_one_answer"))
     h = {n: mean(end_entropy(x) for x in rs) for n, rs in runs.items()}
     best = {n: mean(x["eval_best_rate_end"] for x in rs) for n, rs in runs.items()}

@@ -54,12 +54,9 @@ import torch
 import transformers
 
 from running import checkpoint
-from models import pretrained
+from models import policy, pretrained
 from running import session
 from running import config
-from running import checks
-from running import evaluate
-from running import plots
 from running import report
 import rollout
 import tasks
@@ -242,7 +239,7 @@ def band(runs: list, key: str, center=statistics.mean) -> tuple:
     """A setting's curve of `key` over its seeds: (steps, center, min, max), each step over the
     seeds that logged it there (a stopped run is shorter; a metric a step could not compute,
     such as the entropy of no completion, is missing; evaluations exist only at their steps)."""
-    by_step = [{x["step"]: x[key] for x in plots.read_metrics(r["out"]) if x.get(key) is not None}
+    by_step = [{x["step"]: x[key] for x in report.read_metrics(r["out"]) if x.get(key) is not None}
                for r in runs]
     steps = sorted(set().union(*by_step))
     cols = [[s[t] for s in by_step if t in s] for t in steps]
@@ -301,6 +298,20 @@ def is_metric(key: str) -> bool:
     return any(key.startswith(f) and key != f for f in families if f != "eval_")
 
 
+SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
+                "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
+                "ended_off_format", "frac_adv_negative_mean", "early_stopped", "best_step", "best_checkpoint",
+                "eval_value_rmse_end", "explained_variance_end", "eval_reward_mean_end", "seconds",
+                "peak_memory_mb", "out")
+
+
+def summary_keys(task) -> set:
+    """Every key summary.json can hold for a task (lab/compare.py checks --columns against it)."""
+    evals = [*task.RATES, "reward_mean", "answer_nll"]
+    return set(SUMMARY_KEYS) | {f"eval_{key}_{when}" for key in evals for when in ("end", "best")} | \
+        {f"eval_{key}_start" for key in task.HEADLINE} | {"train_answer_nll_end", "train_answer_nll_best"}
+
+
 def main(argv=None):
     p = config.OneLineParser(prog="python -m lab.compare", description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -345,7 +356,7 @@ def main(argv=None):
         if owned or twice:
             p.error(f"setting {s!r}: " + (f"sets {owned[0]}, which compare sets for every run itself" if owned else
                                           f"gives {twice[0]} twice; the last one would silently win"))
-        held = [run for run in (args.out / "runs" / slug(s)).glob("s*") if checks.holds_run(run)]
+        held = [run for run in (args.out / "runs" / slug(s)).glob("s*") if config.holds_run(run)]
         busy = [run for run in held if checkpoint.is_busy(run)]
         if busy:
             p.error(f"--out: a run is writing in {str(busy[0])!r} now; wait for it, or choose another --out")
@@ -356,10 +367,10 @@ def main(argv=None):
                                 ["--out", str(args.out / "runs" / slug(s) / "s0")])
         if c.batch % args.nproc:
             p.error(f"--nproc: setting {s!r} has --batch {c.batch}, which does not split over {args.nproc} ranks")
-        unknown = [col for col in columns if col not in report.summary_keys(tasks.TASKS[c.task])]
+        unknown = [col for col in columns if col not in summary_keys(tasks.TASKS[c.task])]
         if unknown:
             p.error(f"--columns: {unknown[0]!r} is not a summary.json key of --task {c.task}; one of: "
-                    f"{', '.join(sorted(report.summary_keys(tasks.TASKS[c.task])))}")
+                    f"{', '.join(sorted(summary_keys(tasks.TASKS[c.task])))}")
     results = run_settings(args.settings, args.common, args.seeds, args.out, args.metrics.split(","),
                            columns, overwrite=args.overwrite, launch=Launch(args.jobs, args.nproc))
     print(f"\n{args.seeds} seeds each; common flags: {args.common or '(defaults)'}\n\n{table(results, columns)}")
@@ -382,18 +393,18 @@ def run_settings(settings: list, common: str, seeds: int | range, out: Path, met
     (out / "summaries.json").write_text(json.dumps(results, indent=1))
     first = json.loads((Path(next(iter(results.values()))[0]["out"]) / "config.json").read_text())
     title = title or f"{len(results[next(iter(results))])} seeds; common: {common or 'defaults'}"
-    figure(results, out / "compare.png", f"{title}; {plots.made_by(first)}", metrics)
+    figure(results, out / "compare.png", f"{title}; {report.made_by(first)}", metrics)
     return results
 
 
 # ---- every checkpoint against the baseline ----
 
-CHECKPOINT_SEED = 4321          # not evaluate.EVAL_SEED: the runs picked their best under that one
+CHECKPOINT_SEED = 4321          # not session.EVAL_SEED: the runs picked their best under that one
 
 
 def run_config(run: Path) -> config.Config:
     """The configuration a run was made with (its config.json)."""
-    return config.Config(**checks.saved_fields(run, config.Config))
+    return config.Config(**config.saved_fields(run, config.Config))
 
 
 def checkpoints_problem(runs: list) -> str | None:
@@ -411,31 +422,44 @@ def checkpoints_problem(runs: list) -> str | None:
         if damaged:
             return f"{str(damaged[0][0])!r} is damaged: {damaged[0][1]}"
         cfg = run_config(run)
-        shape = {name: getattr(cfg, name) for name in checks.SAME_MODEL}
+        shape = {name: getattr(cfg, name) for name in config.SAME_MODEL}
         first = first or shape
         if shape != first:
             return f"{str(run)!r} has {shape}, another run {first}: one baseline needs one task and model"
     return None
 
 
+def by_group(models, task, prompts: list, sampling, samples: int, seed: int) -> dict:
+    """{group: {rate: value, "reward_mean": ...}} for each value of the prompts' task.GROUP_KEY
+    (DSL: problem type), and "all": `samples` rollouts per prompt under `seed`."""
+    batch, outcomes = session.sample_seeded(models, task, prompts, sampling, samples, seed)
+    rewards = batch.rewards.tolist()
+    groups = {}                                          # group -> rollout indices
+    for i, p in enumerate(prompts):
+        groups.setdefault(p[task.GROUP_KEY], []).extend(range(i * samples, (i + 1) * samples))
+    groups["all"] = list(range(len(outcomes)))
+    return {g: dict(task.rates([outcomes[i] for i in idx]), reward_mean=statistics.mean(rewards[i] for i in idx))
+            for g, idx in groups.items()}
+
+
 def evaluate_checkpoints(runs: list, samples: int, kept_only: bool = False, log=print) -> dict:
-    """{"baseline": evaluate.by_group of the warm start, "runs": {run: [(step, by_group), ...]}}
+    """{"baseline": by_group of the warm start, "runs": {run: [(step, by_group), ...]}}
     for every checkpoint of each run, oldest first (kept_only: only the one a later stage
     would start from, checkpoint.starting_point), all on the same held-out prompts and seed."""
     transformers.utils.logging.disable_progress_bar()                       # one bar per checkpoint load
     cfg = dataclasses.replace(run_config(runs[0]), init_from="", device="cpu")
     task = tasks.TASKS[cfg.task]
-    model, tok = session.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
-    models, sampling, prompts = rollout.Models(model, tok), config.sampling(cfg), \
+    model, tok = policy.load(cfg, task, "cpu", log=lambda s: None)        # the warm start
+    models, sampling, prompts = rollout.Models(model, tok), tasks.Sampling.of(cfg), \
         task.prompts("eval", cfg.difficulty)
-    out = {"baseline": evaluate.by_group(models, task, prompts, sampling, samples, CHECKPOINT_SEED), "runs": {}}
+    out = {"baseline": by_group(models, task, prompts, sampling, samples, CHECKPOINT_SEED), "runs": {}}
     for run in runs:
         ckpts = [checkpoint.starting_point(run)] if kept_only else sorted(checkpoint.candidates(run))
         out["runs"][str(run)] = []
         for ckpt in ckpts:
-            checkpoint.load_weights(ckpt, model)
+            model.load_state_dict(policy.read_weights(ckpt, model))
             step = int(ckpt.name.split("-")[-1])
-            out["runs"][str(run)].append((step, evaluate.by_group(models, task, prompts, sampling, samples,
+            out["runs"][str(run)].append((step, by_group(models, task, prompts, sampling, samples,
                                                                   CHECKPOINT_SEED)))
         log(f"evaluated {len(ckpts)} checkpoint(s) of {run}")
     return out
@@ -487,7 +511,7 @@ def checkpoints_main(argv: list) -> None:
     problem = checkpoints_problem(args.runs)
     if problem:
         p.error(problem)
-    if not checks.writable(args.out):
+    if not config.writable(args.out):
         p.error(f"--out: cannot create or write to the folder {str(args.out)!r}")
     result = evaluate_checkpoints(args.runs, args.samples, log=lambda s: print(s, file=sys.stderr))
     task = tasks.TASKS[run_config(args.runs[0]).task]
@@ -495,7 +519,7 @@ def checkpoints_main(argv: list) -> None:
     text = checkpoints_table(result, key)
     (args.out / "table.md").write_text(text + "\n")
     (args.out / "checkpoints.json").write_text(json.dumps(result, indent=1))
-    made = plots.made_by(json.loads((args.runs[0] / "config.json").read_text()))
+    made = report.made_by(json.loads((args.runs[0] / "config.json").read_text()))
     checkpoints_figure(result, key, args.out / "checkpoints.png",
                        f"held-out {key} by {task.GROUP_KEY}, {args.samples} samples per prompt; {made}")
     print(f"held-out {key} by {task.GROUP_KEY} ({args.samples} samples per prompt, seed {CHECKPOINT_SEED})\n\n{text}")

@@ -27,7 +27,6 @@ import transformers
 
 from running import config
 from models import pretrained
-from running import checks
 from lab.common import Lab
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
@@ -113,7 +112,7 @@ def main(argv=None):
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *REAL])}")
     out = args.out or Path("runs/lab-quick" if args.quick else
                            f"results/{args.model.replace('/', '_')}" if args.model else "results")
-    if not checks.writable(out):
+    if not config.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     if args.model and not args.quick and all(n in REAL for n in args.names):
         return real_lab(args, out)

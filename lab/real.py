@@ -26,7 +26,7 @@ from pathlib import Path
 
 from lab import compare, stats
 from lab.common import mean
-from running import config, plots
+from running import config, report
 from tasks import workflow_task
 
 SEEDS = 3
@@ -212,7 +212,7 @@ def modelled(c: dict) -> float:
 def collapse_step(run: dict) -> int | None:
     """The first evaluation at which the held-out samples are one answer (eval_one_answer >=
     COLLAPSED), or None."""
-    for row in plots.read_metrics(Path(run["out"])):
+    for row in report.read_metrics(Path(run["out"])):
         if row.get("eval_one_answer") is not None and row["eval_one_answer"] >= COLLAPSED and row["step"] > 0:
             return row["step"]
     return None
@@ -220,7 +220,7 @@ def collapse_step(run: dict) -> int | None:
 
 def at_start(run: dict, key: str) -> float | None:
     """A held-out metric at step 0: the warm start's, before any update (the frozen policy)."""
-    rows = plots.read_metrics(Path(run["out"]))
+    rows = report.read_metrics(Path(run["out"]))
     return rows[0].get(key) if rows and rows[0]["step"] == 0 else None
 
 
@@ -240,7 +240,7 @@ def write_table(lab: RealLab, name: str, runs: dict, columns: list) -> None:
     metrics = ("eval_best_rate", "eval_one_answer", "entropy") if first["task"] == "dsl" else \
         ("eval_accuracy", "eval_tool_calls", "frac_adv_negative")
     compare.figure(runs, lab.root / name / "compare.png",
-                   f"{name}: {lab.seeds_of(name)} seeds; {plots.made_by(first)}", metrics)
+                   f"{name}: {lab.seeds_of(name)} seeds; {report.made_by(first)}", metrics)
 
 
 # ---- report 001: K=2 against K=8, and the collapse onto one workflow ----
@@ -393,7 +393,7 @@ def one_answer_census(root: Path) -> dict:
             kind = owner.get(next(iter(evals[-1][1])), "none")
             out["by_type"][kind] = out["by_type"].get(kind, 0) + 1
             out["first_step"].append(next(step for step, texts in evals if len(texts) == 1))
-            last = plots.read_metrics(summary.parent)[-5:]          # its last five steps
+            last = report.read_metrics(summary.parent)[-5:]          # its last five steps
             out["zero_std"].append(mean(r.get("frac_reward_zero_std") for r in last))
             out["entropy"].append(mean(r.get("entropy") for r in last))
         elif json.loads(summary.read_text())["eval_best_rate_end"] == 0.25:
@@ -451,7 +451,7 @@ def real_rce_grpo(lab: RealLab, log=print) -> dict:
     # 3. over-training: GRPO-only's held-out answer NLL ends >= 10% above its lowest evaluation
     #    while the training prompts' NLL at the end is no higher than at that evaluation
     def diverged(run):
-        rows = [x for x in plots.read_metrics(Path(run["out"])) if x.get("eval_answer_nll") is not None]
+        rows = [x for x in report.read_metrics(Path(run["out"])) if x.get("eval_answer_nll") is not None]
         low = min(rows, key=lambda x: x["eval_answer_nll"])
         return rows[-1]["eval_answer_nll"] >= 1.1 * low["eval_answer_nll"] and \
             rows[-1]["train_answer_nll"] <= low["train_answer_nll"]
@@ -487,7 +487,7 @@ def real_monitor(lab: RealLab, log=print) -> dict:
             for label in SETTINGS[name] if label != "RCE (stage 1)" for seed in range(lab.seeds)]
     leads, false_alarms, quiet = [], 0, 0
     for run in runs:
-        rows = plots.read_metrics(Path(run["out"]))
+        rows = report.read_metrics(Path(run["out"]))
         alerted = [row["step"] for row in rows if row.get("alerts")]
         at = collapse_step(run)
         if at is None:

@@ -6,7 +6,7 @@ from pathlib import Path
 from lab import compare
 import monitor
 from lab import figures
-from running import plots
+from running import report
 from lab.common import Lab, mean, end, metric_rows
 
 # ---- 1. K=2 gives +-1 (report 001) ----
@@ -107,7 +107,7 @@ def dynamic_sampling(lab: Lab) -> dict:
     (lab.dir("dynamic_sampling") / "table.md").write_text("\n".join(lines) + "\n")
     compare.figure(runs, lab.dir("dynamic_sampling") / "compare.png",
                    f"dynamic sampling: {lab.seeds} seeds, lr 1e-3; "
-                   f"{plots.made_by(next(iter(cfg.values())))}")
+                   f"{report.made_by(next(iter(cfg.values())))}")
     k2, k2ds, k8, k8ds = (end(rs, "eval_best_rate_end") for rs in runs.values())
     names = list(runs)
     return dict(report="001 (DAPO)", figure="dynamic_sampling/compare.png",

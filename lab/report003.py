@@ -7,7 +7,7 @@ from pathlib import Path
 from lab import compare
 from lab import figures
 from lab import stats
-from running import plots
+from running import report
 from lab.common import Lab, mean, end, metric_rows
 
 # ---- 8. Adaptive KL and over-training (report 003) ----
@@ -147,7 +147,7 @@ def rce_grpo(lab: Lab) -> dict:
     best = {"warm start": {g: [ev["baseline"][g]["best_rate"]] for g in groups}, **best}
     figures.plot_grouped_bars(lab.dir("rce_grpo") / "by_type.png", best, "held-out best rate",
                             f"report 003's pipelines on the DSL task, composite reward, {lab.seeds} seeds; kept "
-                            f"checkpoints, fresh seed; {plots.made_by(json.loads((folders[0] / 'config.json').read_text()))}")
+                            f"checkpoints, fresh seed; {report.made_by(json.loads((folders[0] / 'config.json').read_text()))}")
     lines = ["| pipeline | " + " | ".join(groups) + " | vs warm start (all) | steps run |",
              "|" + "---|" * (len(groups) + 3)]
     for label, by_group in best.items():

@@ -30,10 +30,11 @@ from safetensors import SafetensorError
 from tokenizers import Tokenizer, models, pre_tokenizers
 # transformers' model classes are imported where a model is built: importing them costs seconds
 # (more on a busy machine), which `train.py --help` and a mistyped flag need not pay
-from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import logprobs
 import rollout
+from models import pretrained
 from models.pretrained import ModelError, set_aside
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -364,3 +365,39 @@ def autocast_choice(choice: str, device: str, real_model: bool) -> bool:
     if device == "cuda":
         return True
     return real_model and bf16_matmul_is_faster()
+
+
+# ---- the policy a run starts from ----
+
+def load(cfg, task, device: str, log, init: dict | None = None):
+    """The policy RL starts from and its tokenizer, on device, dropout off: a real model (cfg.model)
+    or the tiny one, warm-started on the task's mix; with --init-from (init: its pinned
+    checkpoint), that run's weights. cfg: running/config.Config."""
+    default = WARM_START["real" if cfg.model else "tiny"]
+    warm = WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
+                            default.batch, 0, cfg.sft_difficulty, default.micro_batch)
+    if cfg.model:
+        folder = pretrained.resolve(cfg.model, pretrained.default_cache(), log)
+        # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
+        # weights would mostly round away.
+        model, tok = real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
+    else:
+        model, tok = tiny_policy(task, cfg.hidden, cfg.layers, warm, Path(cfg.cache_dir), log)
+    if init:                       # a second stage: another run's weights replace the warm start
+        try:
+            model.load_state_dict(read_weights(Path(init["path"]), model))
+        except ValueError as e:
+            raise ModelError(f"--init-from: {init['path']!r}: {e}") from e
+        log(f"--init-from: the policy starts from {init['path']}")
+    off = disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
+    if off:
+        log(f"dropout: switched off in {off} places for RL")
+    return model.to(device), tok
+
+
+def read_weights(ckpt: Path, model) -> dict:
+    """The checkpoint's weights as model's float32 state dict; ValueError if another model's."""
+    weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
+    if set(weights) != set(model.state_dict()):
+        raise ValueError("its weights do not match the model")
+    return weights

@@ -1,11 +1,8 @@
-"""What survives a crash: append-only logs, atomic checkpoints, exact resume (docs/faults.md).
-
-Logs: one whole JSON line per `os.write`, so a run killed at any moment leaves whole lines.
-Checkpoints: RUN/checkpoints/step-NNNNNN/ holds the weights as `save_pretrained` writes them
-(plain transformers loads the folder) and trainer_state.pt, one dict with the rest (optimizer,
-loop, controllers, random generators); written into step-NNNNNN.tmp/ and renamed into place.
-`python train.py --resume RUN` loads the newest whole one and cuts the logs back to it; on the
-CPU the metrics equal an uninterrupted run's.
+"""What survives a crash (docs/faults.md): logs of whole JSON lines, one per os.write; checkpoints
+RUN/checkpoints/step-NNNNNN/, the weights as save_pretrained writes them and trainer_state.pt, one
+dict with the rest (optimizer, loop, controllers, random generators), written beside and renamed
+into place. `--resume RUN` loads the newest whole one; on the CPU the metrics equal an
+uninterrupted run's.
 """
 import contextlib
 import errno
@@ -24,6 +21,7 @@ from pathlib import Path
 import torch
 
 import lora
+from models import policy
 
 STATE_FILE = "trainer_state.pt"
 
@@ -31,8 +29,7 @@ STATE_FILE = "trainer_state.pt"
 # ---- crash-safe logs ----
 
 def finite_json(row: dict) -> tuple[dict, list]:
-    """The row with every NaN/inf float replaced by null (bare NaN and Infinity are not JSON,
-    and other languages' parsers reject them), and the keys that held one."""
+    """The row with every NaN/inf float as null (bare NaN is not JSON), and the keys that held one."""
     bad = []
 
     def clean(x, key):
@@ -48,7 +45,7 @@ def finite_json(row: dict) -> tuple[dict, list]:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """path's new contents, whole or not at all: written beside it, then renamed over it."""
+    """path's new contents, whole or not at all: written beside it, renamed over it."""
     tmp = Path(path).with_name(f"{Path(path).name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(text)
@@ -60,21 +57,16 @@ def write_whole(path: Path, text: str) -> None:
 
 # a write refused for want of room: a full disk, a quota, a file-size limit (ulimit -f, FAT32's 4 GB)
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
 RESERVE = ".reserve"
 
 
 def reserve(run_dir: Path, nbytes: int) -> bool:
     """Hold nbytes of the disk in RUN/.reserve for the run's last checkpoint and summary
-    (release() gives it back); False when the disk has not that much room now."""
+    (release); False when the disk has not that much room now."""
     path = Path(run_dir) / RESERVE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        finally:
-            os.close(fd)
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
         return True
     except OSError:
         path.unlink(missing_ok=True)
@@ -83,15 +75,14 @@ def reserve(run_dir: Path, nbytes: int) -> bool:
 
 def release(run_dir: Path) -> bool:
     """Give the reserve's room back; True when there was one."""
-    path = Path(run_dir) / RESERVE
-    held = path.exists()
-    path.unlink(missing_ok=True)
+    held = (Path(run_dir) / RESERVE).exists()
+    (Path(run_dir) / RESERVE).unlink(missing_ok=True)
     return held
 
 
 class JsonlLog:
     """Append-only JSON lines, one whole line per os.write; a non-finite number is written as
-    null and its key listed under `nonfinite_logged`."""
+    null, its key listed under `nonfinite_logged`."""
 
     def __init__(self, path: Path, append: bool):
         flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
@@ -99,8 +90,7 @@ class JsonlLog:
         self.fd = os.open(path, flags, 0o644)
 
     def write(self, row: dict) -> None:
-        """Append one line. A line the disk refuses is said, counted (self.lost) and cut off
-        again, so the file holds whole lines only; the run goes on."""
+        """Append one line; one the disk refuses is said, counted (self.lost) and cut off again."""
         row, bad = finite_json(row)
         if bad:
             row["nonfinite_logged"] = bad
@@ -124,14 +114,13 @@ class JsonlLog:
 
 
 def last_step(path: Path) -> int:
-    """The step of the last line of a log (after truncate_log: every line whole), -1 if none."""
+    """The step of a log's last line (after truncate_log: every line whole), -1 if none."""
     lines = path.read_text().splitlines() if path.exists() else []
     return json.loads(lines[-1])["step"] if lines else -1
 
 
 def truncate_log(path: Path, last_step: int) -> int:
-    """Keep the lines of steps <= last_step; drop torn lines (not a whole JSON object) and
-    return how many."""
+    """Keep the lines of steps <= last_step; drop torn lines and return how many."""
     if not path.exists():
         return 0
     keep, torn = [], 0
@@ -140,10 +129,8 @@ def truncate_log(path: Path, last_step: int) -> int:
             continue
         try:
             step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            torn += 1
-            continue
-        if not isinstance(step, int):            # {"step": null}: not a line this code wrote
+            assert isinstance(step, int)         # {"step": null}: not a line this code wrote
+        except (ValueError, KeyError, TypeError, AssertionError):
             torn += 1
             continue
         if step <= last_step:
@@ -157,13 +144,13 @@ def truncate_log(path: Path, last_step: int) -> int:
 # ---- one run per folder ----
 
 class RunBusy(ValueError):
-    """Another process is running in this run folder; train.py says so in one line, exit 2."""
+    """Another process is running in this run folder (one line, exit 2)."""
 
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path):
-    """The kernel's lock (flock) on RUN/.lock while a run writes there: a second run into the
-    folder is refused (RunBusy); a killed run leaves no stale lock."""
+    """flock on RUN/.lock while a run writes there: a second run is refused (RunBusy); a killed
+    run leaves no stale lock."""
     fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -193,15 +180,12 @@ SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
 class Interrupts:
-    """SIGINT and SIGTERM are noted, not obeyed mid-step: the loop finishes its step, saves,
-    writes the summary marked `interrupted`, and train.py exits 128 + the signal. A second one
-    stops at once. Main thread only; elsewhere this does nothing."""
+    """SIGINT and SIGTERM noted, not obeyed mid-step: the loop finishes its step, saves, writes the
+    summary (`interrupted`), exits 128 + the signal. A second one stops at once. Main thread only."""
 
     def __init__(self, log=print):
-        self.signal, self.log, self.saved = None, log, {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in SIGNALS.values():
-                self.saved[sig] = signal.signal(sig, self._handle)
+        self.signal, self.log, main = None, log, threading.current_thread() is threading.main_thread()
+        self.saved = {sig: signal.signal(sig, self._handle) for sig in SIGNALS.values()} if main else {}
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -226,8 +210,8 @@ class Interrupts:
 # ---- checkpoints ----
 
 def save(run_dir: Path, step: int, model, tok, whole: dict, rng: random.Random) -> Path:
-    """Write RUN/checkpoints/step-NNNNNN whole or not at all: the weights and tokenizer, and
-    trainer_state.pt: `whole` with the step and every random generator's state."""
+    """Write RUN/checkpoints/step-NNNNNN whole or not at all: the weights, the tokenizer and
+    trainer_state.pt (`whole`, the step, every random generator's state)."""
     final = Path(run_dir) / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
@@ -239,7 +223,7 @@ def save(run_dir: Path, step: int, model, tok, whole: dict, rng: random.Random) 
         torch.save({"step": step, **whole, "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                    tmp / STATE_FILE)
-        _fsync_tree(tmp)                  # the files' bytes on disk before the rename ...
+        _fsync(*[p for p in tmp.rglob("*") if p.is_file()], tmp)   # the bytes on disk before the rename ...
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # a full disk: no half checkpoint left behind
         raise
@@ -250,19 +234,13 @@ def save(run_dir: Path, step: int, model, tok, whole: dict, rng: random.Random) 
     return final                          # crash then leaves the old or the new checkpoint, whole
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for p in Path(folder).rglob("*"):
-        if p.is_file():
-            _fsync(p)
-    _fsync(folder)
+def _fsync(*paths: Path) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def prune(run_dir: Path, keep: int, spare: Path | None = None) -> list[Path]:
@@ -287,40 +265,20 @@ def candidates(path: Path) -> list[Path]:
 
 def find(path: Path) -> Path | None:
     """The checkpoint at `path` itself, or the newest complete one under path/checkpoints."""
-    found = candidates(path)
-    return found[0] if found else None
+    return next(iter(candidates(path)), None)
 
 
 def starting_point(run_dir: Path) -> Path | None:
     """--init-from's checkpoint: the best the summary names (early stopping), else the newest."""
     try:
-        best = json.loads((Path(run_dir) / "summary.json").read_text()).get("best_checkpoint")
-    except (OSError, ValueError, AttributeError):
-        best = None
-    if best and (Path(run_dir) / best / STATE_FILE).is_file():
-        return Path(run_dir) / best
-    return find(run_dir)
-
-
-def read_weights(ckpt: Path, model) -> dict:
-    """The checkpoint's weights as model's float32 state dict; ValueError if another model's."""
-    from transformers import AutoModelForCausalLM          # here, not at the top: --help need not import it
-    weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
-    if set(weights) != set(model.state_dict()):
-        raise ValueError("its weights do not match the model")
-    return weights
-
-
-def load_weights(ckpt: Path, model) -> None:
-    """The checkpoint's weights into model (nothing else: --init-from starts a new run)."""
-    try:
-        model.load_state_dict(read_weights(ckpt, model))
-    except ValueError as e:
-        raise ResumeError(f"--init-from: {str(ckpt)!r}: {e}") from e
+        best = Path(run_dir) / json.loads((Path(run_dir) / "summary.json").read_text())["best_checkpoint"]
+        return best if (best / STATE_FILE).is_file() else find(run_dir)
+    except (OSError, ValueError, TypeError, KeyError):
+        return find(run_dir)
 
 
 def is_busy(run_dir: Path) -> bool:
-    """Whether a run is writing in run_dir now (it holds RUN/.lock: run_lock)."""
+    """Whether a run is writing in run_dir now (it holds RUN/.lock)."""
     if not (Path(run_dir) / ".lock").exists():
         return False
     try:
@@ -341,17 +299,17 @@ def weights_sha256(ckpt: Path) -> str:
 
 
 def set_aside_later(run_dir: Path, step: int) -> Path | None:
-    """One folder, one history: resumed from an older checkpoint, the later ones move to
-    checkpoints.abandoned-after-step-N (never deleted), where --resume cannot pick them.
-    Returns that folder, or None."""
-    later = [p for p in Path(run_dir).glob("checkpoints/step-*") if p.name.split("-")[-1].split(".")[0].isdigit()
-             and int(p.name.split("-")[-1].split(".")[0]) > step]
+    """One folder, one history: resumed from an older checkpoint, the later ones move (never deleted)
+    to checkpoints.abandoned-after-step-N, returned, where --resume cannot pick them."""
+    number = lambda p: p.name.split("-")[-1].split(".")[0]                 # step-000012(.tmp) -> 000012
+    later = [p for p in Path(run_dir).glob("checkpoints/step-*") if number(p).isdigit() and int(number(p)) > step]
     if not later:
         return None
-    aside = Path(run_dir) / f"checkpoints.abandoned-after-step-{step}"
-    n = 2
+    base = Path(run_dir) / f"checkpoints.abandoned-after-step-{step}"
+    aside, n = base, 1
     while aside.exists():
-        aside, n = Path(run_dir) / f"checkpoints.abandoned-after-step-{step}-{n}", n + 1
+        n += 1
+        aside = Path(f"{base}-{n}")
     aside.mkdir()
     for p in later:
         p.rename(aside / p.name)
@@ -363,12 +321,12 @@ def run_dir_of(ckpt: Path) -> Path:
 
 
 class ResumeError(ValueError):
-    """No checkpoint of the run loads; train.py turns it into one line, exit 2."""
+    """No checkpoint of the run loads (one line, exit 2)."""
 
 
 def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) -> tuple[dict, Path]:
-    """Restore from the newest checkpoint under path that loads whole, saying which damaged
-    ones were skipped and why; (restore's dict, its path), or ResumeError."""
+    """(restore's dict, its path) of the newest checkpoint under path that loads whole, saying
+    which damaged ones were skipped and why; else ResumeError."""
     reasons = []
     for ckpt in candidates(path):
         try:
@@ -383,26 +341,22 @@ def restore_newest(path: Path, model, optimizer, rng: random.Random, log=print) 
 
 
 def restore(ckpt: Path, model, optimizer, rng: random.Random) -> dict:
-    """Load weights (a LoRA run's: its adapters; its files hold them merged, for export),
-    optimizer and random generators, all or nothing; return "step", "loop", "controllers"."""
+    """Load the weights (a LoRA run's: its adapters; its files hold them merged, for export), the
+    optimizer and the random generators, all or nothing; return "step", "loop", "controllers"."""
     state = torch.load(Path(ckpt) / STATE_FILE, weights_only=True)
     if "controllers" not in state:         # an older train.py's checkpoint: not read by guesswork
         raise ResumeError("written by an older version of train.py; start the run again")
     if ("adapters" in state) != bool(lora.adapters(model)):
         raise ResumeError("its run trained LoRA adapters and this one does not, or the other way round")
-    weights = read_weights(ckpt, model) if "adapters" not in state else None
+    weights = policy.read_weights(ckpt, model) if "adapters" not in state else None
     before = optimizer.state_dict()
     try:
         optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError, RuntimeError):
-        optimizer.load_state_dict(before)
-        raise
-    try:
         if weights is None:
             lora.load_adapter_state(model, state["adapters"])
         else:
             model.load_state_dict(weights)
-    except (KeyError, RuntimeError):
+    except (ValueError, KeyError, RuntimeError):
         optimizer.load_state_dict(before)
         raise
     rng.setstate(_as_tuple(state["python_rng"]))

@@ -1,22 +1,22 @@
-"""The run's configuration: one dataclass made of the run's own knobs (Run, below) and each
-lesson's (its Knobs, where the lesson defines each with its default, help and range), and the
-CLI built from it.
-
-A knob is a flag (`k` -> `--k`, `max_grad_norm` -> `--max-grad-norm`) whose help is its
-one-line documentation, unless its metadata says "flag": False (a paper's constant no lesson
-turns: a field Python code sets). `python train.py --help` lists the flags by lesson. Every
-knob is checked before any model loads (running/checks.py: its range, then its lesson's
-problems): bad input ends with one line naming the flag, and exit code 2.
-
-`--resume DIR` continues the run in DIR with the configuration saved there (config.json);
-only --steps (to extend the run) and --quiet may be given with it.
+"""The run's configuration: one dataclass of the run's own knobs (Run) and each lesson's (its
+Knobs, with default, help and range), and the CLI built from it: `max_grad_norm` is
+`--max-grad-norm`, unless its metadata says "flag": False (a paper's constant no run turns).
+`--help` lists the flags by lesson; `validate` (below) checks them before any model loads.
+`--resume DIR` continues the run in DIR with its saved configuration (config.json).
 """
 import argparse
 import dataclasses
+import importlib.util
+import itertools
 import json
+import math
+import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 import advantages
 import dynamic_sampling
@@ -35,8 +35,8 @@ import surrogates
 import tasks
 import trust_regions
 import update
-from running import checkpoint, checks, distributed
-from running.checks import ConfigError, default_out, saved_fields  # noqa: F401 (default_out: for importers)
+from models import policy, pretrained
+from running import checkpoint, distributed
 
 
 def opt(default, help, **kw):
@@ -47,69 +47,52 @@ def opt(default, help, **kw):
 class Run:
     """The run's own flags: the task, the algorithm, the batch and the schedule, and the machinery
     around the lessons (evaluation, output, checkpoints, the model and the machine)."""
-    task: str = opt("dsl", "the task: report 001's workflow DSL, or report 000's tool calling (tasks/tool_task.py)",
-                    choices=tuple(tasks.TASKS))
-    max_turns: int = opt(3, "tools task: policy turns per episode (--max-new-tokens each), one more per "
-                         "benchmark beyond the first (--difficulty)", min=1, flag=False)
-    difficulty: int = opt(1, "tools task: benchmarks each episode asks about (1 to 3); the answer must report "
-                          "every one's setting and value (report 000's long ground truth)")
-    algo: str = opt("grpo", "the algorithm: GRPO (no critic), PPO (value head + GAE) or RCE (report 003's "
-                    "reward-weighted cross-entropy: rce.py)", choices=("grpo", "ppo", "rce"))
+    task: str = opt("dsl", "report 001's workflow DSL, or report 000's tool calling", choices=tuple(tasks.TASKS))
+    max_turns: int = opt(3, "tools task: policy turns per episode, one more per benchmark past the first",
+                         min=1, flag=False)
+    difficulty: int = opt(1, "tools task: benchmarks an episode asks about (1 to 3), each to be reported")
+    algo: str = opt("grpo", "GRPO (no critic), PPO (value head + GAE) or RCE (report 003's rce.py)",
+                    choices=("grpo", "ppo", "rce"))
     batch: int = opt(8, "prompts per step (B); N = B*K sequences per step", min=1, max=4096)
     steps: int = opt(150, "training steps (one batch of rollouts each)", min=1)
-    lr: float = opt(0.0, "learning rate; 0 = the default: 1e-3 for the tiny model (it needs a large one), "
-                    "2e-5 for a real one (1e-3 wrecks SmolLM2 in one step)", min=0)
-    # evaluation and output
+    lr: float = opt(0.0, "learning rate; 0 = 1e-3 for the tiny model, 2e-5 for a real one (1e-3 wrecks SmolLM2)",
+                    min=0)
     eval_every: int = opt(10, "evaluate on held-out prompts every this many steps", min=1)
     eval_samples: int = opt(4, "samples per held-out prompt at each evaluation", min=1, max=1000)
-    eval_prompts: int = opt(0, "held-out prompts per evaluation, spread over the list (and as many training "
-                               "prompts for the answer NLL); 0 = all 32: fewer for a quick look at a real model on a CPU",
-                            min=0)
-    early_stop_patience: int = opt(0, "stop once the held-out reward has not improved for this many "
-                                      "evaluations, keeping the best one's checkpoint; 0 = off", min=0)
+    eval_prompts: int = opt(0, "held-out prompts per evaluation, spread over the list; 0 = all 32", min=0)
+    early_stop_patience: int = opt(0, "stop after this many evaluations without a better held-out reward, "
+                                      "keeping the best's checkpoint; 0 = off", min=0)
     seed: int = opt(0, "seed of the RL phase (prompts and sampling)", min=0, max=2 ** 32 - 1)   # seed * 100003 + step
                                                                # stays inside a torch.Generator's 64 bits
-    out: str = opt("", "folder for the run's files; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed}, with a "
-                       "-2, -3 ... suffix when that one holds a run already")
+    out: str = opt("", "the run's folder; default runs/k{K}_b{B}_{norm}_lr{lr}_s{seed} (-2, -3 ... if taken)")
     overwrite: bool = opt(False, "replace the run already in --out (its logs, summary, curves and checkpoints)")
-    tensorboard: bool = opt(False, "also write every metric as a TensorBoard scalar into OUT/tensorboard/ "
-                            "(needs the optional `pip install tensorboard`); metrics.jsonl stays the record")
+    tensorboard: bool = opt(False, "also write the metrics to OUT/tensorboard/ (optional: pip install tensorboard)")
     quiet: bool = opt(False, "no progress line")
-    # surviving failures (checkpoint.py)
     save_every: int = opt(0, "write a checkpoint every this many steps; 0 = only when a run stops early", min=0)
     keep_checkpoints: int = opt(0, "keep only this many newest checkpoints; 0 = keep all", min=0)
     resume: str = opt("", "continue the run in this folder (or from this checkpoint folder)")
-    max_skips: int = opt(10, "stop the run (with a checkpoint) once more optimizer steps than this were non-finite",
-                         min=0)
-    collective_timeout: float = opt(300.0, "torchrun: seconds a rank waits for the others before the job ends "
-                                    "with a line naming it (a rank stopped with kill -STOP hung the others)",
+    max_skips: int = opt(10, "stop (with a checkpoint) after more non-finite optimizer steps than this", min=0)
+    collective_timeout: float = opt(300.0, "torchrun: seconds a rank waits for the others before the job ends",
                                     min=1.0, max=86400.0)
-    # the policy
     device: str = opt("auto", "where to run", choices=("auto", "cpu", "cuda"))
-    threads: int = opt(0, "CPU threads torch uses; 0 = 1 for the tiny model (a 20-step run on a busy 2-core "
-                       "machine: 1.6x faster than with 2; docs/performance.md), torch's default for --model",
+    threads: int = opt(0, "CPU threads; 0 = 1 for the tiny model (docs/performance.md), torch's default for --model",
                        min=0, max=1024)
-    bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU for a real model where "
-                    "bf16 is measured faster", choices=("auto", "on", "off"))
-    no_shared_prefix: bool = opt(False, "encode a group's prompt once per sequence, as a plain forward does, "
-                                 "not once per group (shared_prefix.py: the same numbers; the tests compare "
-                                 "the two)", flag=False)
-    model: str = opt("", "a real model: smollm2-135m (fetched once), a local Hugging Face folder, or a hub id; "
-                     "default: the tiny model built in code")
+    bf16: str = opt("auto", "bf16 autocast: auto = on a GPU, and on a CPU where measured faster",
+                    choices=("auto", "on", "off"))
+    no_shared_prefix: bool = opt(False, "encode a group's prompt once per sequence (shared_prefix.py: same numbers)",
+                                 flag=False)
+    model: str = opt("", "a real model: smollm2-135m (fetched once), a Hugging Face folder or hub id; "
+                     "default: the tiny model")
     hidden: int = opt(64, "tiny model: hidden size", max=8192)
     layers: int = opt(2, "tiny model: transformer layers", min=1, max=256)
-    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = the default (policy.WARM_START: 300 tiny, 30 real)",
-                         min=-1)
-    sft_difficulty: int = opt(0, "tools task: the warm start shows episodes of 1 up to this many benchmarks "
-                              "(half of them one); 0 = --difficulty")
-    cache_dir: str = opt("", "where warm-started weights are cached; default: .cache/warmstart in the "
-                         "repository, wherever the command runs from (models/policy.CACHE)")
-    init_from: str = opt("", "start from another run's weights (its best checkpoint if it kept one, else its "
-                         "newest), not the warm start; that start is also the KL's reference")
+    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = policy.WARM_START's (300 tiny, 30 real)", min=-1)
+    sft_difficulty: int = opt(0, "tools task: the warm start shows episodes of 1 up to this many benchmarks; "
+                              "0 = --difficulty")
+    cache_dir: str = opt("", "where warm starts are cached; default: the repository's .cache/warmstart")
+    init_from: str = opt("", "start from another run's best (else newest) checkpoint, also the KL's reference")
 
 
-# The lessons whose knobs are flags, in the course's order: each defines its own (Knobs: the
-# field, its default, its help) and its checks (problems); --help shows them in this order.
+# the lessons whose knobs (Knobs) are flags, each with its checks (problems), in the course's order
 LESSONS = (advantages, grpo, surrogates, trust_regions, update, schedules, kl, entropy_control, rewards, rollout, mismatch, ppo,
            rce, dynamic_sampling, monitor, lora)
 
@@ -119,8 +102,7 @@ class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs,
              *grpo.KNOBS):
     """Every flag: the run's own (Run) and each lesson's (its Knobs)."""
 
-    # derived sizes, computed in one place
-    @property
+    @property                        # derived sizes, computed in one place
     def n(self) -> int:
         return self.batch * self.k
 
@@ -129,38 +111,31 @@ class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs,
         return self.kl_in == "reward" or (self.kl_in == "auto" and self.algo == "ppo")
 
     @property
-    def rollout_logprobs(self) -> bool:
-        """The sampler's own log-probs are recorded (a mismatch made, corrected or logged)."""
+    def rollout_logprobs(self) -> bool:          # the sampler's own log-probs recorded (mismatch.py)
         return (self.log_mismatch or self.rollout_dtype != "same" or self.rollout_stale > 0
                 or self.rollout_temperature > 0 or self.rollout_correction != "none")
 
     @property
     def reuse_old_logp(self) -> bool:
-        """--fast and one GRPO update per batch: the policy that sampled is the policy of the
-        update's forward, so old log-probs are that forward's, detached (TRL does the same)."""
+        """--fast, one GRPO update per batch: old log-probs are the update's forward, detached (as TRL)."""
         return (self.fast and self.algo == "grpo" and self.epochs == 1
                 and self.mini_batch in (0, self.n) and not self.kl_in_reward
                 and not self.rollout_logprobs)       # the mismatch's weight needs pi_old before the update
 
     @property
-    def new_tokens(self) -> int:
-        """--max-new-tokens, 0 resolved: a real tokenizer spends more tokens on a tool call."""
+    def new_tokens(self) -> int:                 # 0: a real tokenizer spends more tokens on a tool call
         return self.max_new_tokens or (64 if self.model and self.task == "tools" else 24)
 
     @property
-    def completion_limit(self) -> int:
-        """The longest completion in policy tokens: one turn's limit, times the turns of a tool
-        episode (one more per benchmark beyond the first)."""
+    def completion_limit(self) -> int:           # in policy tokens: a turn's limit times a tool episode's turns
         return self.new_tokens * (self.max_turns + self.difficulty - 1 if self.task == "tools" else 1)
 
 
 # ---- what the lesson code reads ----
 
 def hyper_params(cfg: Config) -> grpo.HyperParams:
-    """The update's and the advantages' settings: grpo.HyperParams, or PPO's and RCE's
-    extensions of it, each knob copied from its flag of the same name; train.py replaces beta,
-    entropy_coef, seed (and RCE's tau) each step. Under torchrun the batch sizes are one rank's:
-    its share of each mini-batch."""
+    """grpo.HyperParams (or PPO's and RCE's), each knob copied from its flag; train.py replaces
+    beta, entropy_coef, seed (and RCE's tau) each step. Under torchrun the batch sizes are one rank's."""
     cls = {"ppo": ppo.PPOParams, "rce": rce.RCEParams}.get(cfg.algo, grpo.HyperParams)
     knobs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)}
     mini_batch = (cfg.mini_batch or cfg.n) // distributed.size()
@@ -169,19 +144,9 @@ def hyper_params(cfg: Config) -> grpo.HyperParams:
                   "max_len": cfg.completion_limit, "kl_estimator": kl.estimator(cfg)})
 
 
-def sampling(cfg: Config) -> tasks.Sampling:
-    """How the task samples and scores rollouts (training and evaluation alike)."""
-    return tasks.Sampling(temperature=cfg.temperature, max_new_tokens=cfg.new_tokens,
-                          forward_batch=cfg.micro_batch or None,
-                          shared_prefix=not cfg.no_shared_prefix,
-                          max_turns=cfg.max_turns, reward=cfg.reward, reward_clip=cfg.reward_clip or None,
-                          process_reward=not cfg.drop_process_reward)
-
-
 def fail(message: str):
-    """Bad input: one line on stderr, exit code 2, before any work. Under torchrun every rank
-    prints its line: torchrun stops the others as soon as one exits, so a rank left to speak
-    for all might be stopped before it could."""
+    """Bad input: one line on stderr, exit code 2, before any work (under torchrun, on every rank:
+    torchrun stops the others as soon as one exits)."""
     print(f"train.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -194,18 +159,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def is_flag(f) -> bool:
-    """A knob is a flag unless its lesson says otherwise (metadata "flag": False): a value from a
-    paper or a report that no lesson's run turns, kept as a field that Python code can set."""
+    """A knob is a flag unless its metadata says "flag": False."""
     return f.metadata.get("flag", True)
 
 
-# the flags only some algorithms read (their metadata's "algos"): set to anything but their
-# default with another --algo, they are refused (checks.validate)
-USED_BY = {f.name: f.metadata["algos"] for f in dataclasses.fields(Config) if "algos" in f.metadata and is_flag(f)}
-
-
-# --help's sections of the run's own flags (Run's banner comments); each lesson's flags follow
-# under the lesson's name, in the course's order (LESSONS)
+# --help's sections of the run's own flags, by their first flag; each lesson's follow (LESSONS)
 SECTIONS = {"task": "the run: the task, the algorithm, the batch and the schedule",
             "eval_every": "the run: evaluation and output", "save_every": "the run: surviving failures",
             "device": "the run: the policy and the machine"}
@@ -222,6 +180,8 @@ def sections():
         out.append((f"{lesson.__name__}.py: {lesson.Knobs.__doc__}",
                      [f for f in dataclasses.fields(lesson.Knobs) if is_flag(f)]))
     return out
+
+
 EXAMPLES = """examples:
   python train.py --k 8 --norm global                  the main job (GRPO, the tiny model, CPU)
   python train.py --k 2 --batch 3 --norm group         report 001's setting (Lesson 2)
@@ -234,73 +194,51 @@ Progress and messages go to stderr (python train.py 2> log.txt keeps them); the 
 the run's folder: metrics.jsonl, samples.jsonl, summary.json, curves.png."""
 
 
-def _parser(explicit_only: bool = False) -> argparse.ArgumentParser:
-    """The CLI, built from Config's fields: --field-name with the field's help. explicit_only:
-    a flag not on the command line is left out of the result (to tell what the user gave)."""
-    parser = OneLineParser(prog="train.py",
-                           description="Train a policy with GRPO or PPO on report 001's workflow-DSL "
-                                       "task or report 000's tool-calling task; each flag is a "
-                                       "field of config.Config.",
-                           formatter_class=HelpFormatter, epilog=EXAMPLES,
-                           argument_default=argparse.SUPPRESS if explicit_only else None)
+def parser() -> argparse.ArgumentParser:
+    """The CLI, built from Config's fields (--field-name, its help and default); a flag not given is
+    left out of the result (Config's default fills it), so the result says what the user gave."""
+    out = OneLineParser(prog="train.py", description="Train a policy with GRPO, PPO or RCE on report 001's "
+                        "workflow-DSL task\nor report 000's tool-calling task; each flag is a field of config.Config.",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     for title, fields in sections():
-        group = parser.add_argument_group(title)
+        group = out.add_argument_group(title)
         for f in fields:
-            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-            default = argparse.SUPPRESS if explicit_only else f.default
-            if f.type is bool or f.type == "bool":
-                group.add_argument(*flags, action="store_true", default=default, help=f.metadata["help"])
-            else:
-                group.add_argument(*flags, type=type(f.default), default=default,
-                                   choices=f.metadata.get("choices"), help=f.metadata["help"])
-    return parser
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each flag's help; the examples kept as written."""
+            flags, help = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())], f.metadata["help"]
+            kind = dict(action="store_true") if f.type in (bool, "bool") else \
+                dict(type=type(f.default), choices=f.metadata.get("choices"))
+            group.add_argument(*flags, **kind, default=argparse.SUPPRESS, help=f"{help} (default: {f.default})")
+    return out
 
 
 def parse_config(argv=None) -> Config:
     """The CLI: parse, resolve --resume, validate; bad input ends in one line and exit 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
-    given = vars(_parser(explicit_only=True).parse_args(argv))
+    given = vars(parser().parse_args(argv))
     try:
-        cfg = grpo.own_defaults(Config(**vars(args)), given)
+        cfg = grpo.own_defaults(Config(**given), given)
         for name, what in (("resume", "the folder of the run to continue"), ("init_from", "a run or checkpoint "
                            "folder to start from"), ("model", "a named model, a folder or a hub id")):
             if name in given and not str(given[name]).strip():      # an empty string is a mistake, not "off"
                 raise ConfigError(f"--{name.replace('_', '-')}: needs {what}, got an empty string")
         if "resume" in given:
             cfg = resumed_config(cfg, given)
-        return checks.validate(cfg, LESSONS)
+        return validate(cfg, LESSONS)
     except ConfigError as e:
         fail(str(e))
 
 
-def processes_of(run_dir: Path) -> int:
-    """How many processes trained a run (its config.json's `processes`)."""
-    saved = json.loads((Path(run_dir) / "config.json").read_text())
-    if "processes" not in saved:
-        raise ConfigError(f"--resume: {str(run_dir)!r} was written by an older version of train.py "
-                          f"(its config.json does not say how many processes trained it); start it again")
-    return int(saved["processes"])
-
-
-# Flags that change how a run is carried out, not what it computes: where the warm start is
-# cached, torch's threads (identical results), the printing, and replacing a folder.
+# flags that change how a run is carried out, not what it computes
 NOT_IN_RESULTS = ("quiet", "overwrite", "threads", "cache_dir")
 RESUME_MAY_CHANGE = ("steps", "resume", *NOT_IN_RESULTS)
 
 
 def resumed_config(cfg: Config, given: dict) -> Config:
-    """The saved configuration of the run being resumed. A flag given on the command line must
-    equal the saved value (re-running the original command with --resume added works);
-    --steps may extend the run, --quiet may change."""
+    """The saved configuration of the run being resumed. A flag given must equal the saved value
+    (the original command with --resume added works); --steps may extend the run."""
     if given.get("overwrite"):
         raise ConfigError("--overwrite: replaces a run, --resume continues it: not both")
     ckpt = checkpoint.find(Path(cfg.resume))
-    if ckpt is None and checks.holds_run(Path(cfg.resume)):    # it stopped before its first checkpoint
+    if ckpt is None and holds_run(Path(cfg.resume)):    # it stopped before its first checkpoint
         raise ConfigError(f"--resume: the run in {cfg.resume!r} stopped before its first checkpoint, so "
                           f"there is nothing to continue; run its command again with --overwrite")
     if ckpt is None:
@@ -308,16 +246,14 @@ def resumed_config(cfg: Config, given: dict) -> Config:
                           f"with checkpoints/step-*/ or a checkpoint folder)")
     run_dir = checkpoint.run_dir_of(ckpt)
     try:
-        saved = saved_fields(run_dir, Config)
+        saved, before = saved_fields(run_dir, Config), json.loads((run_dir / "config.json").read_text())["processes"]
+    except KeyError:                             # config.json says not how many processes trained it
+        raise ConfigError(f"--resume: {str(run_dir)!r} was written by an older version of train.py; start it again")
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: cannot read {str(run_dir / 'config.json')!r} ({e})")
-    before, now = processes_of(run_dir), distributed.size()
-    if before != now:
-        raise ConfigError(f"--resume: the run was trained by {before} process(es) and this is {now}: each "
-                          f"process's share of the prompts, its sampling seeds and --micro-batch (per process) "
-                          f"would change mid-run; resume with torchrun --nproc_per_node {before}"
-                          if before > 1 else f"--resume: the run was trained by 1 process; resume it with "
-                          f"python train.py, not {now} processes")
+    if before != distributed.size():             # each one's prompts, seeds and micro-batches would change
+        raise ConfigError(f"--resume: the run was trained by {before} process(es), this is {distributed.size()}; "
+                          f"resume it with " + (f"torchrun --nproc_per_node {before}" if before > 1 else "python train.py"))
     saved["out"] = str(run_dir)
     for name, value in given.items():
         if name in RESUME_MAY_CHANGE:
@@ -335,3 +271,193 @@ def resumed_config(cfg: Config, given: dict) -> Config:
         raise ConfigError(f"--steps: the run's newest checkpoint is at step {at}; give --steps above "
                           f"{at} to continue it (it is {merged['steps']})")
     return Config(**merged)
+
+
+# ---- the checks: every flag before any model loads ----
+
+class ConfigError(ValueError):
+    pass
+
+
+def validate(cfg, lessons):
+    """Raise ConfigError naming the flag: each field's range, each lesson's `problems`, whether a flag
+    is read at all (by this --algo, --policy-loss, with the knob it serves), then the run's own."""
+    for f in dataclasses.fields(cfg):
+        value, flag, meta = getattr(cfg, f.name), f.name.replace("_", "-"), f.metadata
+        if isinstance(value, float) and not math.isfinite(value):      # inf and nan pass every comparison
+            raise ConfigError(f"--{flag}: must be a finite number, got {value}")
+        lo, hi = meta.get("min"), meta.get("max")
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bounds = (f"in [{lo:g}, {hi:g}]" if lo is not None and hi is not None
+                      else f">= {lo:g}" if lo is not None else f"<= {hi:g}")
+            raise ConfigError(f"--{flag}: must be {bounds}, got {value:g}" + (
+                "" if lo is not None or hi < 100 else ": past it the run cannot mean anything (float32 overflows)"))
+    cfg.lr = cfg.lr or (2e-5 if cfg.model else 1e-3)          # 0: the model's default
+    for lesson in lessons:
+        for flag, why in getattr(lesson, "problems", lambda cfg: ())(cfg):
+            raise ConfigError(f"--{flag.replace('_', '-')}: {why}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for f in dataclasses.fields(cfg):
+        value, flag, meta = getattr(cfg, f.name), f.name.replace("_", "-"), f.metadata
+        algos, changed = meta.get("algos"), value != f.default
+        if changed and algos and cfg.algo not in algos:            # a flag acts in every algorithm that accepts it
+            raise ConfigError(f"--{flag}: only --algo {listed(algos)} {'uses' if len(algos) == 1 else 'use'} "
+                              f"it; --algo {cfg.algo} would ignore it (leave it at {f.default!r})")
+        objectives = meta.get("objective")
+        if changed and objectives and cfg.policy_loss not in objectives:
+            raise ConfigError(f"--{flag}: only --policy-loss {listed(objectives)} "
+                              f"{'reads' if len(objectives) == 1 else 'read'} it; --policy-loss {cfg.policy_loss} "
+                              f"would ignore it")
+        needs = meta.get("needs")
+        if changed and needs and getattr(cfg, needs) == defaults[needs]:
+            raise ConfigError(f"--{flag}: only --{needs.replace('_', '-')} reads it; give it too")
+    return run_problems(cfg)
+
+
+def listed(names) -> str:
+    """('a', 'b', 'c') -> 'a, b and c'."""
+    return " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def run_problems(cfg):
+    """The run's own flags: the task, the batch over the ranks, the model, the folders."""
+
+    def need(ok, flag, what):
+        if not ok:
+            raise ConfigError(f"--{flag}: {what}")
+    ranks = distributed.size()                      # torchrun's WORLD_SIZE; 1 for python train.py
+    need(cfg.batch % ranks == 0, "batch", f"{cfg.batch} prompts per step do not split over {ranks} ranks "
+         f"(torchrun's processes); give a multiple of {ranks}")
+    need(not cfg.tensorboard or has_tensorboard(), "tensorboard",
+         "needs the tensorboard package, an optional dependency: pip install tensorboard==2.21.0")
+    need(cfg.mini_batch % ranks == 0, "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}")
+    mini = (cfg.mini_batch or cfg.n) // ranks
+    need(cfg.micro_batch == 0 or mini % cfg.micro_batch == 0, "micro-batch",
+         f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) (or be 0), "
+         f"got {cfg.micro_batch}")
+    top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
+    need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
+         f"{cfg.difficulty}" if top > 1 else f"--task {cfg.task} has one difficulty (1), got {cfg.difficulty}")
+    need(0 <= cfg.sft_difficulty <= top, "sft-difficulty", f"must be in [1, {top}] for --task {cfg.task} (or 0 = "
+         f"--difficulty), got {cfg.sft_difficulty}")
+    cfg.sft_difficulty = cfg.sft_difficulty or cfg.difficulty
+    need(cfg.hidden >= 4 and cfg.hidden % 4 == 0, "hidden", f"must be a positive multiple of 4, got {cfg.hidden}")
+    need(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cuda asked for but no GPU is visible")
+    if cfg.model in pretrained.NAMED:
+        cache = pretrained.default_cache()
+        need(writable(cache), "model", f"cannot create or write to the folder {str(cache)!r} where {cfg.model} is "
+             f"cached ($RL_LESSONS_CACHE)")
+    elif cfg.model:
+        problem = pretrained.problem(cfg.model)
+        need(not problem, "model", f"{cfg.model!r}: {problem}")
+    cfg.cache_dir = cfg.cache_dir or str(policy.CACHE)
+    need(writable(Path(cfg.cache_dir)), "cache-dir", f"cannot create or write to the folder {cfg.cache_dir!r}")
+    if cfg.init_from and not cfg.resume:
+        problem = init_from_problem(cfg)
+        need(not problem, "init-from", f"{cfg.init_from!r}: {problem}")
+    if not distributed.is_main():        # torchrun: rank 0 alone checks, names and writes the folder
+        cfg.out = cfg.out or default_out(cfg)
+        return cfg
+    if not cfg.out:                      # the default name, or NAME-2, -3 ...: the first one free, claimed by
+        base = default_out(cfg)          # creating it (two runs started together get two names)
+        for name in (base if i == 1 else f"{base}-{i}" for i in itertools.count(1)):
+            try:
+                Path(name).mkdir(parents=True)
+            except FileExistsError:
+                continue
+            except OSError:              # not writable: said below, naming the folder
+                pass
+            cfg.out = name
+            break
+    out = Path(cfg.out)
+    need(cfg.resume or cfg.overwrite or not holds_run(out), "out",
+         f"{cfg.out!r} holds a run already ({holds_run(out)}); --resume {cfg.out} continues it, "
+         f"--overwrite replaces it, another --out keeps it")
+    # the one side effect of validation: the run's folder
+    need(writable(out), "out", f"cannot create or write to the folder {str(out)!r}")
+    return cfg
+
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "summary.json", "config.json", "curves.png", "checkpoints",
+             "tensorboard")
+
+
+def has_tensorboard() -> bool:
+    """Whether the optional tensorboard package is installed."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def holds_run(folder: Path) -> str | None:
+    """The files of a run in folder ('metrics.jsonl, checkpoints'), or None when it holds none."""
+    found = [name for name in RUN_FILES if (Path(folder) / name).exists()]
+    return ", ".join(found) or None
+
+
+def writable(folder: Path) -> bool:
+    """Create folder (and its parents) if needed; True when we can write into it."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False
+
+
+def saved_fields(run_dir: Path, config_class) -> dict:
+    """The fields of config_class a run was made with (its config.json); OSError or ValueError
+    when it cannot be read."""
+    saved = json.loads((Path(run_dir) / "config.json").read_text())
+    if not isinstance(saved, dict):
+        raise ValueError("config.json is not a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    out = {k: v for k, v in saved.items() if k in fields}
+    for name, value in out.items():                 # a hand-edited file: a number where a word goes
+        want = type(fields[name].default)
+        wrong = not isinstance(value, want) and not (want is float and type(value) is int)   # 1 is a float here
+        if wrong or (type(value) is bool) != (want is bool):                # ... and True is not an int
+            raise ValueError(f"config.json's {name!r} is {value!r}, not a {want.__name__}")
+    return out
+
+
+SAME_MODEL = ("task", "model", "hidden", "layers")     # what a run started --init-from another must share
+
+
+def init_from_problem(cfg) -> str | None:
+    """Why --init-from cannot start this run, or None: it needs a whole checkpoint of a run of the
+    same task and model that has ended."""
+    ckpt = checkpoint.starting_point(Path(cfg.init_from))
+    if ckpt is None:
+        return "no checkpoint in it (the first stage needs --save-every N, or --early-stop-patience P)"
+    if pretrained.cut_short(ckpt):
+        return f"its checkpoint {ckpt.name} is damaged: {pretrained.cut_short(ckpt)}"
+    try:
+        json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"its checkpoint {ckpt.name} is damaged: its config.json does not read ({type(e).__name__})"
+    if checkpoint.is_busy(checkpoint.run_dir_of(ckpt)):
+        return "that run is still running (its folder is locked): start from it once it has ended"
+    try:
+        saved = saved_fields(checkpoint.run_dir_of(ckpt), type(cfg))
+    except (OSError, ValueError):
+        return f"cannot read {str(checkpoint.run_dir_of(ckpt) / 'config.json')!r}"
+    for name in SAME_MODEL:
+        if saved.get(name) != getattr(cfg, name):
+            return (f"that run's --{name} was {saved.get(name)!r}, this run's is {getattr(cfg, name)!r}; "
+                    f"a run starts only from weights of the same task and model")
+    return None
+
+
+def default_out(cfg) -> str:
+    """runs/NAME, NAME made of what sets the run apart (the main job: runs/k8_b8_global_lr0.001_s0)."""
+    task = f"tools_{cfg.reward}_" if cfg.task == "tools" else ""
+    if cfg.difficulty > 1:
+        task += f"d{cfg.difficulty}_" + ("curriculum_" if cfg.curriculum else "")
+    marks = [re.sub(r"[^A-Za-z0-9.-]+", "-", Path(cfg.model).name) if cfg.model else "",
+             "from-" + re.sub(r"[^A-Za-z0-9.-]+", "-", Path(cfg.init_from).name) if cfg.init_from else "",
+             cfg.policy_loss if cfg.policy_loss != "clip" else "", "gspo" if cfg.ratio_level == "sequence" else "",
+             f"e{cfg.epochs}" if cfg.epochs > 1 else "",
+             f"rollout-{cfg.rollout_dtype}" if cfg.rollout_dtype != "same" else "",
+             f"stale{cfg.rollout_stale}" if cfg.rollout_stale else ""]
+    task += "".join(m + "_" for m in marks if m)
+    if cfg.algo in ("ppo", "rce"):
+        return f"runs/{task}{cfg.algo}_k{cfg.k}_b{cfg.batch}_lr{cfg.lr:g}_s{cfg.seed}"
+    return f"runs/{task}k{cfg.k}_b{cfg.batch}_{cfg.norm}_lr{cfg.lr:g}_s{cfg.seed}"

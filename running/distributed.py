@@ -1,12 +1,9 @@
-"""Past one device: data-parallel training under torchrun (Lesson 6,
-docs/lessons/6-torchrun.md, says how a step is shared out and why).
+"""Data-parallel training under torchrun (docs/lessons/6-torchrun.md says how a step is shared out).
 
     torchrun --standalone --nproc_per_node 2 train.py --k 8 --norm global     # one machine, 2 processes
 
-torchrun gives each process RANK, LOCAL_RANK and WORLD_SIZE; `python train.py` sets none of
-them, and then every helper below is the identity and no process group is ever made. The
-lessons call only advantages.all_sum, all_max and world_size; train.py and running/ call
-the rest. Only rank 0 writes files.
+Without torchrun's RANK and WORLD_SIZE every helper below is the identity and no process group
+is made. The lessons call only advantages.all_sum, all_max and world_size. Rank 0 writes the files.
 """
 import contextlib
 import datetime
@@ -17,7 +14,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import advantages
-
 
 
 # ---- who am I ----
@@ -33,8 +29,7 @@ def active() -> bool:
 
 
 def size() -> int:
-    """W, the number of ranks: the process group's, else torchrun's WORLD_SIZE (running/checks.py checks
-    the batch against it before the group exists), else 1."""
+    """W: the process group's size, else torchrun's WORLD_SIZE (before the group exists), else 1."""
     return dist.get_world_size() if active() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -48,12 +43,9 @@ def is_main() -> bool:
 
 
 def init(device: str, timeout: float = 300.0) -> None:
-    """Join torchrun's process group: nccl on GPUs (this rank's GPU = LOCAL_RANK), gloo on CPUs,
-    and gloo too where ranks share a GPU (nccl refuses two ranks on one device): the model on the
-    GPU, the collectives through the CPU. timeout: seconds a collective waits for the other ranks
-    (--collective-timeout); past it the collective raises, and train.py ends the job with a line
-    naming this rank (RankLost), where a rank stopped with kill -STOP would otherwise hang the
-    others forever."""
+    """Join torchrun's process group: nccl on GPUs (LOCAL_RANK's), gloo on CPUs and where ranks
+    share a GPU. Past timeout seconds a collective raises (RankLost ends the job in one line),
+    where a rank stopped with kill -STOP would otherwise hang the others forever."""
     backend = "gloo"
     if device == "cuda":
         gpus = torch.cuda.device_count()
@@ -69,18 +61,9 @@ def close() -> None:
 
 # ---- the collectives: the identity in one process ----
 
-# the lessons' sum over ranks, the one implementation (nccl sums on the GPU, gloo on the CPU)
-all_sum = advantages.all_sum
-
-
-def sum_float(x: float) -> float:
-    """A Python number summed over every rank."""
-    return all_sum(torch.tensor([x], dtype=torch.float64)).item() if active() else x
-
-
 def any_rank(flag: bool) -> bool:
-    """True on every rank when it is True on at least one."""
-    return sum_float(float(flag)) > 0
+    """True on every rank when it is True on at least one (the lessons' advantages.all_sum)."""
+    return (advantages.all_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() if active() else flag) > 0
 
 
 def gather(obj) -> list:
@@ -93,8 +76,7 @@ def gather(obj) -> list:
 
 
 def concat(parts: dict) -> dict:
-    """Every rank's parts joined in rank order: tensors concatenated along dim 0, lists
-    concatenated, None kept. In one process, parts itself."""
+    """Every rank's parts joined in rank order: tensors along dim 0, lists concatenated, None kept."""
     if not active():
         return parts
     every = gather({key: v.cpu() if torch.is_tensor(v) else v for key, v in parts.items()})
@@ -106,49 +88,39 @@ def concat(parts: dict) -> dict:
 
 
 def first_reason(reason: str | None) -> str | None:
-    """A reason to stop that any rank has (a signal reaches one rank at a time): the same
-    answer on every rank, so all stop at the same step."""
+    """A reason to stop any rank has (a signal reaches one rank at a time), on every rank."""
     return next((r for r in gather(reason) if r), None)
-
-
-def barrier() -> None:
-    if active():
-        dist.barrier()
 
 
 @contextlib.contextmanager
 def main_first():
-    """Rank 0 runs the block first (it downloads, converts, warm-starts and fills the caches);
-    the others wait, then run it and find the caches full."""
-    if not is_main():
-        barrier()
+    """Rank 0 runs the block first (it fills the caches); the others wait, then find them full."""
+    if active() and not is_main():
+        dist.barrier()
     yield
-    if is_main():
-        barrier()
+    if active() and is_main():
+        dist.barrier()
 
 
 # ---- the split ----
 
 def shard(items: list) -> list:
-    """This rank's share of the step's B prompts: items r*B/W ... (r+1)*B/W - 1 (running/checks.py
-    refuses a B that does not split)."""
+    """This rank's share of the step's B prompts: items r*B/W ... (r+1)*B/W - 1."""
     n = len(items) // size()
     return items[rank() * n:(rank() + 1) * n]
 
 
 def sampling_seed(seed: int, step: int) -> int:
-    """Rank r's sampling seed at a step: distinct for every (seed, rank, step), so no two ranks
-    draw the same completions, and a resumed run draws what it would have drawn."""
+    """Rank r's sampling seed at a step, distinct for every (seed, rank, step); a resumed run
+    draws what it would have drawn."""
     return ((seed * 1_000_003 + step) * 4099 + rank()) % 2 ** 63     # up to 4099 ranks
 
 
 # ---- the update under DistributedDataParallel ----
 
 def replicate(module: torch.nn.Module) -> torch.nn.Module:
-    """module in DDP under torchrun (its weights broadcast from rank 0 now; its gradients
-    all-reduced, averaged, in every backward while its require_backward_grad_sync is True:
-    update.py holds it back on all but a mini-batch's last micro-batch); the module itself in
-    one process."""
+    """module in DDP under torchrun: rank 0's weights broadcast now, gradients averaged in each
+    backward while require_backward_grad_sync (update.py: a mini-batch's last micro-batch)."""
     if not active():
         return module
     on_gpu = next(module.parameters()).is_cuda
@@ -156,7 +128,6 @@ def replicate(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def lost_contact(error: BaseException) -> bool:
-    """Whether error is a collective failing because another rank died or hung (gloo and nccl
-    raise RuntimeError, or its subclass DistError): the job must end, with a message."""
+    """Whether error is a collective failing because another rank died or hung (RuntimeError or DistError)."""
     return active() and (isinstance(error, getattr(dist, "DistError", ())) or
                          any(word in str(error).lower() for word in ("gloo", "nccl", "connection")))

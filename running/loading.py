@@ -1,11 +1,7 @@
-"""Ctrl-C in a command's first seconds, while torch, transformers and matplotlib load.
-
-Python raises KeyboardInterrupt wherever an import happens to be, and the libraries' imports are not
-written for it: most print a 40-line traceback through importlib; numpy's, interrupted, leaves numpy
-half-loaded and the command fails later with an AttributeError; and a command that catches it can
-print its one line and still end by SIGINT (-2) rather than 130. So a command calls `quiet_ctrl_c(line)`
-before its heavy imports and `loaded()` after them: in between, Ctrl-C prints that one line and
-exits 130 at once (nothing has been written yet); after, KeyboardInterrupt works as before.
+"""Ctrl-C while torch, transformers and matplotlib load: their imports are not written for a
+KeyboardInterrupt (a 40-line traceback; numpy left half-loaded). A command calls
+`quiet_ctrl_c(line)` before its heavy imports and `loaded()` after: in between, Ctrl-C prints
+that one line and exits 130 at once (nothing is written yet).
 """
 import os
 import signal

@@ -1,8 +1,9 @@
 """What a run reports besides each step's metrics (diagnostics.py): samples.jsonl, the progress
-line, summary.json and its curves, and TensorBoard when asked.
+line, summary.json and its curves, and TensorBoard when asked. Every key: docs/metrics.md.
 
-Every key of metrics.jsonl and summary.json, with its formula: docs/metrics.md.
+    python -m running.report OUT_DIR      # OUT_DIR/curves.png again, from its metrics.jsonl
 """
+import gzip
 import json
 import math
 import resource
@@ -10,16 +11,19 @@ import statistics
 import sys
 from pathlib import Path
 
+import matplotlib
 import torch
 
-from running import checkpoint, plots
+from running import checkpoint
+
+matplotlib.use("Agg")  # no screen needed
+import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 
 
 # ---- samples.jsonl ----
 
 def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:
-    """The first n rollouts of a step for samples.jsonl: prompt, text, outcome, reward and
-    advantage side by side, never one in place of the other."""
+    """The first n rollouts of a step for samples.jsonl: prompt, text, outcome, reward, advantage."""
     k = len(batch.texts) // len(prompts)
     adv = batch.sequence_advantages()                                                # (N,)
     return [dict(prompt=prompts[i // k]["text"], **task.describe(batch.texts[i], outcomes[i]),
@@ -30,9 +34,7 @@ def train_samples(batch, outcomes: list, prompts: list, task, n: int) -> list:
 # ---- the terminal ----
 
 def say(line: str) -> None:
-    """A message, on stderr. On a terminal the progress line (below) may be sitting there
-    unfinished: go back to its start and erase it first (carriage return, then ESC [K), or a
-    shorter message would leave that line's tail on screen after it."""
+    """A message on stderr; on a terminal, the unfinished progress line erased first (CR, ESC [K)."""
     print(("\r\033[K" if sys.stderr.isatty() else "") + line, file=sys.stderr)
 
 
@@ -50,44 +52,23 @@ def progress(cfg, task, row: dict, last_eval: dict) -> None:
 
 # ---- summary.json ----
 
-SUMMARY_KEYS = ("steps", "updates", "collapses", "crash_rate", "crash_floor", "skipped_nonfinite",
-                "alert_episodes", "stopped", "interrupted", "failed_saves", "lost_log_lines",
-                "ended_off_format", "frac_adv_negative_mean", "early_stopped", "best_step", "best_checkpoint",
-                "eval_value_rmse_end", "explained_variance_end", "eval_reward_mean_end", "seconds",
-                "peak_memory_mb", "out")
-
-
-def summary_keys(task) -> set:
-    """Every key summary.json can hold for a task (lab/compare.py checks --columns against it)."""
-    evals = [*task.RATES, "reward_mean", "answer_nll"]
-    return set(SUMMARY_KEYS) | {f"eval_{key}_{when}" for key in evals for when in ("end", "best")} | \
-        {f"eval_{key}_start" for key in task.HEADLINE} | {"train_answer_nll_end", "train_answer_nll_best"}
-
-
 def finish(task, out: Path, state, monitors: tuple, log) -> dict:
-    """Write summary.json and curves.png; log the one-line summary; return the summary.
-    state: bookkeeping.RunState at the end (its seconds: the run's whole wall time, over every
-    resume; its stopped / interrupted: why it ended early, or None); monitors: the run's
-    monitor.StabilityMonitor and monitor.CollapseCount."""
+    """Write summary.json and curves.png, log the one-line summary, return the summary. state:
+    session.RunState at the end; monitors: the run's StabilityMonitor and CollapseCount."""
     first, last = state.first_eval, state.last_eval
     updates, (stability, collapse) = state.updates, monitors
     summary = dict(steps=state.step, updates=updates, collapses=collapse.collapses,
                    crash_rate=collapse.collapses / updates if updates else 0.0,
                    crash_floor=collapse.floor / updates if updates else 0.0,
                    skipped_nonfinite=state.skipped, alert_episodes=stability.episodes,
-                   stopped=state.stopped, interrupted=state.interrupted, failed_saves=state.failed_saves,
-                   lost_log_lines=state.lost_log_lines, early_stopped=state.early_stopped,
-                   best_step=state.best_step, best_checkpoint=state.best_checkpoint)
-    for key in task.HEADLINE:
-        summary[f"eval_{key}_start"] = first[f"eval_{key}"]
-    for key, v in last.items():                     # eval_<rate>_end for every held-out rate
-        summary[f"{key}_end"] = v
-    for key, v in (state.best_eval or {}).items():  # ... and at the best evaluation (best_step)
-        summary[f"{key}_best"] = v
-    rows = plots.read_metrics(out)
+                   **{key: getattr(state, key) for key in ("stopped", "interrupted", "failed_saves", "lost_log_lines",
+                                                           "early_stopped", "best_step", "best_checkpoint")})
+    summary.update({f"eval_{key}_start": first[f"eval_{key}"] for key in task.HEADLINE})
+    summary.update({f"{key}_end": v for key, v in last.items()})      # every held-out rate at the end ...
+    summary.update({f"{key}_best": v for key, v in (state.best_eval or {}).items()})   # ... and at the best
+    rows = read_metrics(out)
     negative = [r["frac_adv_negative"] for r in rows if "frac_adv_negative" in r]
-    # PPO: one step's explained variance swings wildly once the returns are nearly all equal
-    # (Var(G) -> 0), so the end's is the median over the last 10 steps that have one
+    # PPO's explained variance swings wildly as Var(G) -> 0: the median of the last 10 steps
     ev = [r["explained_variance"] for r in rows
           if r.get("explained_variance") is not None and math.isfinite(r["explained_variance"])][-10:]
     summary.update(ended_off_format=last[f"eval_{task.FORMAT_KEY}"] < 0.5,
@@ -102,7 +83,7 @@ def finish(task, out: Path, state, monitors: tuple, log) -> dict:
     try:
         checkpoint.write_whole(out / writing, json.dumps(summary, indent=2, allow_nan=False))
         writing = "curves.png"
-        plots.plot_run(out)
+        plot_run(out)
     except OSError as e:                            # a full disk: said in one line; metrics.jsonl has the run
         print(f"train.py: {writing} not written ({e}); metrics.jsonl and the checkpoint hold the run",
               file=sys.stderr)
@@ -119,8 +100,7 @@ def finish(task, out: Path, state, monitors: tuple, log) -> dict:
 
 
 def peak_memory_mb() -> float:
-    """This process's peak: GPU memory allocated by torch on a GPU, else the resident set size
-    (RSS, the CPU's; it includes Python and every library)."""
+    """This process's peak: torch's GPU memory on a GPU, else the resident set size (all of it)."""
     if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
         return torch.cuda.max_memory_allocated() / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024          # KiB on Linux
@@ -129,13 +109,11 @@ def peak_memory_mb() -> float:
 # ---- TensorBoard, when asked (--tensorboard; an optional dependency) ----
 
 class TensorBoardMirror:
-    """metrics.jsonl, and each row's numbers also as TensorBoard scalars at its step, under
-    OUT/tensorboard/ (`tensorboard --logdir OUT/tensorboard`). The JSON lines stay the record;
-    a key with a slash (completions/mean_length) groups in TensorBoard as TRL's do."""
+    """metrics.jsonl, each row's numbers also TensorBoard scalars under OUT/tensorboard/ (a key
+    with a slash groups as TRL's do). purge_step: a resumed run's first step; TensorBoard drops
+    the abandoned history's values from there on (else every step redone showed two)."""
 
     def __init__(self, log, folder: Path, purge_step: int | None = None):
-        """purge_step: a resumed run's first step; TensorBoard drops the abandoned history's
-        values from there on (without it, every step redone showed two values)."""
         from torch.utils.tensorboard import SummaryWriter      # needs `pip install tensorboard`
         self.log = log
         self.writer = SummaryWriter(str(folder), **({"purge_step": purge_step} if purge_step else {}))
@@ -154,3 +132,74 @@ class TensorBoardMirror:
         self.writer.close()
         self.log.close()
 
+
+# ---- curves.png ----
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl rows; from metrics.jsonl.gz where only that is kept (the lab's
+    committed toy runs: lab.common.keep)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    text = path.read_text() if path.exists() else gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def made_by(cfg: dict) -> str:
+    """Which model on which device made a run (its config.json), for a figure's title."""
+    return f"{cfg.get('model') or 'tiny Qwen2'} on {cfg.get('ran_on', '?')}"
+
+
+def plot_run(run_dir: Path) -> Path:
+    """run_dir/curves.png: rates, advantage diagnostics and update statistics per step."""
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    steps = [r["step"] for r in rows]
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    ax = axes[0]
+    tools = cfg.get("task") == "tools"
+    rates = ["accuracy", "tool_success_rate", "wellformed_rate"] if tools else \
+        ["best_rate", "valid_rate", "fallback_rate"]
+    for key, color in zip(rates, ["C0", "C2", "C3"]):
+        ax.plot(*series(key), color + "-", alpha=0.35, lw=1, label=f"rollout {key}")
+    for key, color in zip(rates[:2], ["C0", "C2"]):
+        ax.plot(*series("eval_" + key), color + "o-", lw=2, label=f"held-out {key}")
+    crashes = [r["step"] for r in rows if r.get("collapsed_after_update")]
+    ax.plot(crashes, [0.02] * len(crashes), "kx", label="collapsed after update")
+    ax.set(xlabel="step", ylabel="share of samples", ylim=(-0.03, 1.03), title="what the policy writes")
+    ax = axes[1]
+    ax.plot(*series("frac_adv_pm1"), label="share |A| = 1")
+    ax.plot(*series("frac_reward_zero_std"), label="share zero-variance groups")
+    ax.plot(*series("adv_abs_mean"), label="mean |A|")
+    ax.plot(*series("frac_adv_negative"), label="share A < 0")
+    ax.set(xlabel="step", title="advantages")
+    ax = axes[2]                    # the entropy on its own linear axis: the collapse this course is about
+    ax.plot(*series("entropy"), "C4-", label="token entropy (the update's)")
+    ax.set(xlabel="step", ylabel="nats a token", ylim=(0, None), title="entropy")
+    ax = axes[3]                    # the rest span decades (grad_norm ~1, kl ~1e-3): symlog
+    for key, color in zip(["kl", "kl_coef", "clip_frac", "grad_norm", "value_loss"], ["C0", "C1", "C2", "C3", "C5"]):
+        ax.plot(*series(key), color, label=key)
+    ax.set(xlabel="step", yscale="symlog", title="update")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    algo = cfg.get("algo", "grpo")
+    norm = f"norm={cfg['norm']}  " if algo == "grpo" else ""
+    task = f"tools ({cfg['reward']} reward)  " if tools else ""
+    fig.suptitle(f"{task}{algo.upper()}  K={cfg['k']}  B={cfg['batch']}  {norm}lr={cfg['lr']:g}  "
+                 f"seed={cfg['seed']}  ({len(steps)} steps)  {made_by(cfg)}")
+    # fixed margins: tight_layout's search for them cost more than drawing the figure
+    fig.subplots_adjust(left=0.035, right=0.99, bottom=0.12, top=0.87, wspace=0.18)
+    path = run_dir / "curves.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    import sys as _sys
+    print(f"wrote {plot_run(Path(_sys.argv[1]))}" if len(_sys.argv) == 2 and Path(_sys.argv[1]).is_dir()
+          else "usage: python -m running.report OUT_DIR (a run's folder)")

@@ -1,44 +1,47 @@
-"""Setting a run up and closing it: the policy loaded, the reference and the optimizer built
-(train.py's reference_and_optimizer, called here), the controllers built, a resume restored,
-the logs opened, the folder locked, signals caught, and the summary written.
-
-    with session.open(cfg, build) as run:   # train.py: everything a run needs, in run
-        ...                                 # the loop
-    run.summary                             # summary.json's contents, after the block
-
-Under torchrun every rank opens the same run (rank 0 alone writes its files); a collective
-that fails because another rank died ends the run with one line (RankLost).
+"""One run, from its folder to its summary: `with session.open(cfg, build) as run:` (the lock,
+train.py's build, a resume, the logs, the signals), then train.py's loop calling end_step after
+each step (the monitor, the held-out evaluation, early stopping, the logs, the checkpoints);
+after the block run.summary is summary.json's. Under torchrun every rank opens the same run,
+rank 0 writes its files, and a collective that fails because another rank died ends the run
+with one line (RankLost).
 """
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import random
+import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import transformers
+from safetensors import SafetensorError
 
+import advantages
+import diagnostics
 import dynamic_sampling
 import entropy_control
 import grpo
 import kl
 import logprobs
+import lora
 import monitor
 import mismatch
 import ppo
 import rollout
 import shared_prefix
 import tasks
-from models import policy, pretrained
+from models import policy
 from running import checkpoint, config, distributed, report
-from running import checks
-from running.bookkeeping import RunState, held_out, keep_best, reserve_bytes, save_best
-from running.config import Config, default_out
+from running.config import Config
+
+LOG_SAMPLES = 4               # completions per step written to samples.jsonl
 
 
 # ---- what a run carries ----
@@ -51,10 +54,32 @@ class Learner:
     optimizer: torch.optim.Optimizer
     sampling: tasks.Sampling
     autocast: Callable               # bf16 autocast on a GPU; nothing on a CPU
-    scorer: torch.nn.Module          # what the update differentiates: logprobs.Scorer(policy, value
-                                     # head), in DDP under torchrun (distributed.replicate)
+    scorer: torch.nn.Module          # what the update differentiates (logprobs.Scorer; DDP under torchrun)
     dynamic: dynamic_sampling.Budget | None = None   # --dynamic-sampling's budget per step; None = off
     rollout_policy: mismatch.RolloutPolicy | None = None   # a sampler that is not the policy; None = off
+
+
+@dataclass
+class RunState:
+    """What the loop remembers from step to step; a checkpoint keeps it ("loop")."""
+    step: int = 0                    # the last step done
+    updates: int = 0                 # steps that took an optimizer step
+    skipped: int = 0                 # non-finite optimizer steps skipped
+    first_eval: dict | None = None   # eval_* at step 0
+    last_eval: dict | None = None    # eval_* at the newest evaluation
+    failed_saves: int = 0            # checkpoints a full disk refused
+    lost_log_lines: int = 0          # log lines a full disk refused
+    seconds: float = 0.0             # wall time before this session (a resume's earlier ones)
+    stopped: str | None = None       # why the run stopped early
+    interrupted: str | None = None   # the signal that stopped it
+    early_stopped: str | None = None  # why --early-stop-patience ended it (a normal end)
+    difficulty: int = 1              # the task's difficulty at the last step (a curriculum never steps back)
+    best_step: int = 0               # the evaluation with the highest held-out reward so far ...
+    best_reward: float | None = None
+    best_eval: dict | None = None    # ... its eval_*
+    best_checkpoint: str | None = None   # its checkpoint, relative to the run (--early-stop-patience)
+    evals_since_best: int = 0
+    pending_row: dict | None = None  # a stop's metrics line, in the checkpoint before its evaluation
 
 
 @dataclass
@@ -86,55 +111,43 @@ class Run:
 # ---- open and close ----
 
 @contextlib.contextmanager
-def threads_kept():
-    """torch's thread count as it was, after the block (start sets --threads)."""
-    threads = torch.get_num_threads()
-    try:
-        yield
+def open(cfg: Config, build: Callable):
+    """The run of cfg (build: train.py's), set up or resumed in its locked folder, signals caught;
+    after the block, the summary (run.summary) and torch's thread count as it was."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    out, main, threads = Path(cfg.out or config.default_out(cfg)), distributed.is_main(), torch.get_num_threads()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+    try:                                    # under torchrun, rank 0 holds the folder's lock
+        with checkpoint.run_lock(out) if main else contextlib.nullcontext():
+            run = start(cfg, out, build)
+            # the handlers stay through the writing after the loop: a signal in the run's last
+            # second is noted and the summary and curves.png are finished
+            with checkpoint.Interrupts(run.log) as run.interrupts:
+                if run.learner.dynamic:     # a signal ends dynamic sampling's rounds within one round
+                    run.learner.dynamic.stop = lambda: run.interrupts.signal is not None
+                try:
+                    yield run
+                except RuntimeError as e:   # torchrun: another rank died or hung
+                    if not distributed.lost_contact(e):
+                        raise
+                    run.metrics.close()
+                    run.samples.close()
+                    raise RankLost(lost_rank_message(run, e)) from e
+                close_run(run, out, main)
     finally:
         torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
-def open(cfg: Config, build: Callable):
-    """The run of cfg, set up (or resumed) in its locked folder, signals caught; on leaving
-    the block its logs are closed and rank 0 writes the summary (run.summary). build(cfg,
-    policy, critic) -> (reference, optimizer): train.py's reference_and_optimizer."""
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    out = Path(cfg.out or default_out(cfg))
-    main = distributed.is_main()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-    # one run per folder, for as long as this one runs (under torchrun, rank 0 holds the lock);
-    # torch's thread count (start: --threads) is given back after, for whoever called train()
-    with checkpoint.run_lock(out) if main else contextlib.nullcontext(), threads_kept():
-        run = start(cfg, out, build)
-        # the handlers stay through the writing after the loop: a signal in the run's last second
-        # is noted and the summary and curves.png are finished (it once killed the process between them)
-        with checkpoint.Interrupts(run.log) as run.interrupts:
-            if run.learner.dynamic:           # a signal ends dynamic sampling's rounds within one round
-                run.learner.dynamic.stop = lambda: run.interrupts.signal is not None
-            try:
-                yield run
-            except RuntimeError as e:                # torchrun: another rank died or hung
-                if not distributed.lost_contact(e):
-                    raise
-                run.metrics.close()
-                run.samples.close()
-                raise RankLost(lost_rank_message(run, e)) from e
-            close_run(run, out, main)
-
-
 def close_run(run: Run, out: Path, main: bool) -> None:
-    """After the loop: close the logs; rank 0 writes the summary (run.summary) and curves.png.
-    state.interrupted is the signal that stopped the loop, or None: one arriving now finds
-    every step done, and is obeyed by finishing these files."""
+    """After the loop: close the logs; rank 0 writes summary.json and curves.png (a signal
+    arriving now is obeyed by finishing them)."""
     state = run.state
-    state.interrupted = run.state.stopped and run.interrupts.signal or None
+    state.interrupted = state.stopped and run.interrupts.signal or None
     run.metrics.close()
     run.samples.close()
-    if not main:                                     # rank 0 writes the summary
+    if not main:
         run.summary = dict(stopped=state.stopped, interrupted=state.interrupted)
         return
     checkpoint.release(out)                          # the room held for the end: the summary's now
@@ -150,18 +163,16 @@ def close_run(run: Run, out: Path, main: bool) -> None:
 # ---- setting up ----
 
 def init_from_checkpoint(cfg: Config, out: Path) -> dict | None:
-    """The checkpoint --init-from starts from, pinned: {"path", "sha256"} of its weights. A new
-    run takes the parent's best or newest (checkpoint.starting_point) and records it in its
-    config.json; a resumed run keeps to the one recorded, and refuses in one line
-    (ResumeError) if it changed or is gone: the parent's newer checkpoint would otherwise
-    silently become the reference model of the rest of the run."""
+    """The checkpoint --init-from starts from, pinned in config.json: {"path", "sha256"}. A
+    resumed run refuses (ResumeError) if it changed or is gone: the parent's newer checkpoint
+    would otherwise silently become the reference model of the rest of the run."""
     if not cfg.init_from:
         return None
     try:
         pinned = json.loads((out / "config.json").read_text()).get("init_from_checkpoint") if cfg.resume else None
     except (OSError, ValueError):
         pinned = None
-    if pinned is None:                     # a new run (or one recorded before pins existed)
+    if pinned is None:
         ckpt = checkpoint.starting_point(Path(cfg.init_from))
         return {"path": str(ckpt), "sha256": checkpoint.weights_sha256(ckpt)}
     path = Path(pinned["path"])
@@ -172,35 +183,8 @@ def init_from_checkpoint(cfg: Config, out: Path) -> dict | None:
     return pinned
 
 
-def load(cfg: Config, task, device: str, log, init: dict | None = None):
-    """The policy and its tokenizer on device, dropout off: a real model (--model: a named
-    model, a folder, a hub id; models/pretrained.py) or the tiny model built in code, each
-    warm-started on the task's mix (models/policy.py) unless --sft-steps 0; then, with --init-from,
-    another run's weights (init: the pinned checkpoint, init_from_checkpoint)."""
-    default = policy.WARM_START["real" if cfg.model else "tiny"]
-    warm = policy.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
-                            default.batch, 0, cfg.sft_difficulty, default.micro_batch)
-    if cfg.model:
-        folder = pretrained.resolve(cfg.model, pretrained.default_cache(), log)
-        # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
-        # weights would mostly round away.
-        model, tok = policy.real_policy(task, folder, warm, Path(cfg.cache_dir), device, log)
-    else:
-        model, tok = policy.tiny_policy(task, cfg.hidden, cfg.layers, warm, Path(cfg.cache_dir), log)
-    if init:                       # a second stage: another run's weights replace the warm start
-        ckpt = Path(init["path"])
-        checkpoint.load_weights(ckpt, model)
-        log(f"--init-from: the policy starts from {ckpt}")
-    off = policy.disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
-    if off:
-        log(f"dropout: switched off in {off} places for RL")
-    return model.to(device), tok
-
-
 def start(cfg: Config, out: Path, build: Callable) -> Run:
-    """Load the policy, build the reference and the optimizer (build: train.py's
-    reference_and_optimizer) and the controllers, resume if asked, open the logs and evaluate
-    at step 0."""
+    """Load the policy, build the rest, resume if asked, open the logs, evaluate at step 0."""
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     if cfg.threads or not cfg.model:                 # the tiny model: 1 thread (--threads, docs/performance.md)
         torch.set_num_threads(cfg.threads or 1)
@@ -213,17 +197,14 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         log(f"torchrun: {distributed.size()} ranks ({torch.distributed.get_backend()} on {device}), "
             f"{cfg.batch // distributed.size()} of the {cfg.batch} prompts of a step each")
     if cfg.overwrite and not cfg.resume and main:
-        checkpoint.clear_run(out, checks.RUN_FILES)
+        checkpoint.clear_run(out, config.RUN_FILES)
         log(f"--overwrite: removed the earlier run's files from {out}")
     task = tasks.TASKS[cfg.task]
     with distributed.main_first():                   # rank 0 fills the model and warm-start caches
         init = init_from_checkpoint(cfg, out)
-        model, tok = load(cfg, task, device, log, init)
-    value_head = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
-        ppo.ValueHead(model.config.hidden_size).to(device)                # PPO's critic (ppo.py)
-    ref, optimizer = build(cfg, model, value_head)   # load() returns the policy RL starts from, also on resume
+        built = build(cfg, task, device, log, init)  # train.py: policy, critic, reference, optimizer, controllers
+    model, tok, value_head, optimizer = built["model"], built["tok"], built["critic"], built["optimizer"]
     scorer = distributed.replicate(logprobs.Scorer(model, value_head))   # DDP: rank 0's weights now
-    # bf16 autocast where it is faster (policy.autocast_choice); the lesson code is the same.
     bf16 = policy.autocast_choice(cfg.bf16, device, real_model=bool(cfg.model))
     log(f"bf16 autocast: {'on' if bf16 else 'off'} ({device}, --bf16 {cfg.bf16})")
     if cfg.ratio_level == "sequence":
@@ -233,39 +214,21 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         print(f"train.py: warning: --kl-estimator {cfg.kl_estimator} in the reward pulls toward the reference far "
               f"less than k1 near it (kl.py); --kl-estimator auto (or k1) puts k1 there", file=sys.stderr)
     autocast = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
-    learner = Learner(task, rollout.Models(model, tok, ref, value_head), optimizer, sampling(cfg, model, log),
+    learner = Learner(task, rollout.Models(model, tok, built["ref"], value_head), optimizer, sampling(cfg, model, log),
                       autocast, scorer, dynamic=dynamic_sampling.Budget(cfg.max_sampling_rounds)
                       if cfg.dynamic_sampling else None,
                       rollout_policy=mismatch.RolloutPolicy(cfg.rollout_dtype, cfg.rollout_stale, cfg.rollout_temperature)
                       if cfg.rollout_logprobs else None)
-    kl_control = kl.KLController(cfg.beta, kl.KLRule(cfg.kl_control, cfg.kl_target, cfg.kl_target_min,
-                                                     cfg.kl_target_max, cfg.kl_horizon, cfg.n))
-    adaptive = entropy_control.AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_coef_delta) \
-        if cfg.entropy_target > 0 else None
-    stability, collapse = monitor.StabilityMonitor(cfg.alert_entropy), monitor.CollapseCount(cfg.n)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     state = RunState()
     # what a checkpoint keeps besides the weights, the optimizer and the loop's state
-    controllers = {name: c for name, c in (("monitor", stability), ("collapse", collapse),
-                                           ("kl_control", kl_control), ("entropy_control", adaptive),
-                                           ("value_head", value_head), ("rollout_policy", learner.rollout_policy))
-                   if c is not None}
-    if cfg.resume:                                   # every rank loads rank 0's checkpoint
-        saved, used = checkpoint.restore_newest(Path(cfg.resume), model, optimizer, rng, log)
-        state = RunState.from_checkpoint(dict(saved["loop"], step=saved["step"]))
-        for name, c in controllers.items():
-            c.load_state_dict(saved["controllers"][name])
-        for name in ("metrics.jsonl", "samples.jsonl"):
-            torn = checkpoint.truncate_log(out / name, state.step) if main else 0
-            if torn:
-                log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
-        aside = checkpoint.set_aside_later(out, state.step) if main else None
-        if aside:                                    # whole later checkpoints, or only a save cut short
-            whole = [p for p in aside.iterdir() if p.suffix != ".tmp" and (p / checkpoint.STATE_FILE).is_file()]
-            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}"
-                if whole else f"resume: a checkpoint whose save was cut short moved to {aside.name}")
-        log(f"resumed from {used} at step {state.step}")
+    controllers = {name: c for name, c in (("monitor", built["stability"]), ("collapse", built["collapse"]),
+                                           ("kl_control", built["kl_control"]),
+                                           ("entropy_control", built["entropy_control"]), ("value_head", value_head),
+                                           ("rollout_policy", learner.rollout_policy)) if c is not None}
+    if cfg.resume:
+        state = resume(cfg, out, model, optimizer, rng, controllers, log)
     ran_on = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else f"cpu ({torch.get_num_threads()} thread{'s' * (torch.get_num_threads() > 1)})"
     if distributed.launched():
         ran_on += f" x {distributed.size()} ranks (torchrun)"
@@ -289,11 +252,11 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         except Exception as e:                       # a read-only folder, a full disk, a too-old package
             print(f"train.py: --tensorboard: cannot write to {out / 'tensorboard'} ({type(e).__name__}: "
                   f"{str(e)[:160]}); the run goes on, metrics.jsonl has every number", file=sys.stderr)
-    run = Run(cfg, out, learner, config.hyper_params(cfg), kl_control, adaptive, stability, collapse, controllers,
-              state, rng, prompts_of(task, cfg), *logs, log, started,
+    run = Run(cfg, out, learner, config.hyper_params(cfg), built["kl_control"], built["entropy_control"],
+              built["stability"], built["collapse"], controllers, state, rng, tasks.prompts_of(task, cfg), *logs, log, started,
               warn=(lambda s: print(f"train.py: {s}", file=sys.stderr)) if main else (lambda s: None))
     if state.first_eval is None and main:            # held-out evaluation: rank 0's alone
-        held_out(run, row := {"step": 0})                    # before any update: evaluation only
+        held_out(run, row := {"step": 0})            # before any update: evaluation only
         state.first_eval = state.last_eval
         run.metrics.write(row)
         if keep_best(run, row) and cfg.early_stop_patience:
@@ -303,10 +266,32 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
     return run
 
 
+def resume(cfg: Config, out: Path, model, optimizer, rng, controllers: dict, log) -> RunState:
+    """Every rank loads the newest whole checkpoint; rank 0 cuts the logs back to its step and
+    sets later checkpoints aside. The loop's state, less why it stopped."""
+    saved, used = checkpoint.restore_newest(Path(cfg.resume), model, optimizer, rng, log)
+    keep = {f.name for f in dataclasses.fields(RunState)} - {"stopped", "interrupted", "early_stopped"}
+    state = RunState(**{k: v for k, v in dict(saved["loop"], step=saved["step"]).items() if k in keep})
+    for name, c in controllers.items():
+        c.load_state_dict(saved["controllers"][name])
+    if distributed.is_main():
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            torn = checkpoint.truncate_log(out / name, state.step)
+            if torn:
+                log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
+        aside = checkpoint.set_aside_later(out, state.step)
+        if aside:                                    # whole later checkpoints, or only a save cut short
+            whole = [p for p in aside.iterdir() if p.suffix != ".tmp" and (p / checkpoint.STATE_FILE).is_file()]
+            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}"
+                if whole else f"resume: a checkpoint whose save was cut short moved to {aside.name}")
+    log(f"resumed from {used} at step {state.step}")
+    return state
+
+
 def sampling(cfg: Config, model, log) -> tasks.Sampling:
-    """config.sampling(cfg), with the shared-prefix forward only where this model's cache can be
-    shared over rows (shared_prefix.mismatch): else the plain forward, said in one line."""
-    chosen = config.sampling(cfg)
+    """tasks.Sampling.of(cfg); the shared-prefix forward only where this model's cache can be
+    shared over rows (else said in one line)."""
+    chosen = tasks.Sampling.of(cfg)
     if chosen.shared_prefix:
         error = shared_prefix.mismatch(model)
         if not error < 1e-3:
@@ -316,21 +301,240 @@ def sampling(cfg: Config, model, log) -> tasks.Sampling:
     return chosen
 
 
-def prompts_of(task, cfg: Config) -> dict:
-    """The task's prompts: "train", a list per difficulty the run trains at (--curriculum: 1
-    up to --difficulty); "eval", held out, at --difficulty (--eval-prompts of them, spread over
-    the list); "nll": as many training prompts (32 by default) at --difficulty spread over
-    theirs, on which the answer NLL is measured beside the held-out one."""
-    levels = range(1, cfg.difficulty + 1) if cfg.curriculum else [cfg.difficulty]
-    train = {d: task.prompts("train", d) for d in levels}
-    held_out, n = task.prompts("eval", cfg.difficulty), cfg.eval_prompts
+# ---- after each step ----
 
-    def spread(xs: list, k: int) -> list:              # every (len/k)-th: each part of the list
-        return xs[::max(1, len(xs) // k)][:k]
-    return {"train": train, "eval": spread(held_out, n or len(held_out)), "nll": spread(train[cfg.difficulty], n or 32)}
+def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
+    """After the update and train.py's steer: count the step, account for it, evaluate when due,
+    keep the best, stop early, write the logs, a checkpoint when due. sampled: (batch, outcomes,
+    prompts), batch None when nothing could be sampled. True: the run stops here."""
+    batch, outcomes, prompts = sampled
+    cfg, state, task = run.cfg, run.state, run.learner.task
+    step = state.step = row["step"]
+    state.updates += stats["steps_taken"] > 0
+    state.skipped += stats["skipped_nonfinite"]
+    # a signal reaches one rank at a time: every rank stops at the step any of them got one
+    signal = distributed.first_reason(run.interrupts.signal)
+    state.stopped = account(run, row, stats, signal)
+    main = distributed.is_main()
+    path = None
+    if signal and main:
+        # the weights (and this step's metrics line) first: torchrun kills the group 30 s after
+        # its SIGTERM, and a real model's evaluation can take longer; --resume writes the line
+        state.pending_row = dict(row, seconds=time.time() - run.step_started)
+        path = save(run)
+        state.pending_row = None
+    # a stopped run is evaluated where it stops, so its eval_*_end are its own
+    due = (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None
+    best = False
+    if due and main:
+        held_out(run, row)
+        best = keep_best(run, row)
+    patience = cfg.early_stop_patience
+    early = due and bool(patience) and main and state.evals_since_best >= patience
+    if due and patience:                   # rank 0 evaluated: every rank stops with it
+        early = distributed.any_rank(early)
+    if early and not state.stopped:
+        state.early_stopped = (f"the held-out reward has not risen for {cfg.early_stop_patience} evaluations "
+                               f"(--early-stop-patience); best {state.best_reward:.3f} at step {state.best_step}, "
+                               f"kept in {run.out / (state.best_checkpoint or '?')}")
+        run.log(f"early stop at step {step}: {state.early_stopped}")
+    row["seconds"] = time.time() - run.step_started
+    run.metrics.write(row)
+    if batch is not None:
+        run.samples.write({"step": step, "split": "train", "samples": report.train_samples(
+            batch, outcomes, prompts, task, LOG_SAMPLES)})
+    full = [log.path.name for log in (run.metrics, run.samples) if log.full]
+    if full and not state.stopped:          # stop now: the last good checkpoint stays, --resume redoes the step
+        state.stopped = (f"the disk is full: a line of {full[0]} could not be written; --resume {run.out} once "
+                         f"there is room")
+        run.warn(f"step {step}: {state.stopped}")
+    if main:
+        report.progress(cfg, task, row, state.last_eval)
+    if best and patience:                  # main only: early stopping keeps the best's weights
+        save_best(run)
+    # a log the disk cut short: no checkpoint of this step (its line is lost), the last good one stays;
+    # with none (--save-every 0), this step's is written (the reserve's room): one line lost, not the run
+    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal and \
+            not (full and checkpoint.find(run.out)):
+        path = save(run)
+    if state.stopped:
+        saved = f"weights saved in {path} (resume with --resume {run.out})" if path else "no checkpoint written"
+        run.log(f"stopped at step {step}: {state.stopped}; {saved}")
+    return bool(state.stopped or state.early_stopped)
 
 
-# ---- a rank lost ----
+def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
+    """Say what went wrong (once where it would repeat), raise the monitor's alerts; why the run
+    must stop, or None."""
+    cfg, state, step = run.cfg, run.state, row["step"]
+    for key, message in diagnostics.silent_no_ops(row, cfg.k, cfg.new_tokens).items():   # each said once
+        if key not in run.said:
+            run.said.add(key)
+            run.log(f"step {step}: {message}")
+    if stats["nonfinite"] == ["logits"]:
+        run.log(f"step {step}: non-finite logits: nothing could be sampled, step skipped "
+                f"({state.skipped} so far, --max-skips {cfg.max_skips})")
+    elif stats["nonfinite"]:
+        run.log(f"step {step}: non-finite {' and '.join(stats['nonfinite'])}: optimizer step "
+                f"skipped, weights untouched ({state.skipped} so far, --max-skips {cfg.max_skips})")
+    row["alerts"], started, messages = run.stability.update(row["reward_mean"], row.get("entropy"), row["kl"])
+    for name, message in zip(started, messages):
+        run.log(f"step {step}: monitor alert {name}: {message}")
+    if state.skipped > cfg.max_skips:
+        return f"{state.skipped} non-finite steps, more than --max-skips {cfg.max_skips}"
+    if cfg.stop_on_alert and started:
+        return f"monitor alert {', '.join(started)} (--stop-on-alert)"
+    return f"interrupted by {signal}" if signal else None
+
+
+def held_out(run: Run, row: dict) -> None:
+    """Evaluate on the held-out prompts into row and state.last_eval; its samples to samples.jsonl."""
+    cfg, learner = run.cfg, run.learner
+    try:
+        with learner.autocast():
+            run.state.last_eval, rows = evaluate(learner.models, learner.task, run.prompts["eval"],
+                                                          learner.sampling, cfg.eval_samples, cfg.gamma)
+    except rollout.NonFiniteLogits:
+        if row["step"] == 0:
+            raise                      # the starting policy itself is broken: nothing to train
+        run.log(f"step {row['step']}: non-finite logits in the held-out evaluation; it is skipped")
+        return
+    # the held-out loss beside the held-out reward (report 003: train loss falls, val loss rises)
+    run.state.last_eval["eval_answer_nll"] = answer_nll(learner.models, learner.task, run.prompts["eval"])
+    run.state.last_eval["train_answer_nll"] = answer_nll(learner.models, learner.task, run.prompts["nll"])
+    row.update(run.state.last_eval)
+    run.samples.write({"step": row["step"], "split": "eval", "samples": rows})
+
+
+def keep_best(run: Run, row: dict) -> bool:
+    """True when this evaluation's reward beats every earlier one's (the warm start's included);
+    else one more without progress. A skipped (non-finite) evaluation counts for nothing."""
+    state, reward = run.state, row.get("eval_reward_mean")
+    if reward is None:
+        return False
+    if state.best_reward is not None and reward <= state.best_reward:
+        state.evals_since_best += 1
+        return False
+    state.best_step, state.best_reward, state.evals_since_best = row["step"], reward, 0
+    state.best_eval = dict(state.last_eval)
+    return True
+
+
+# ---- held-out evaluation: prompts the policy never trains on, under a fixed seed (every
+# evaluation sees the same sampling noise), and report 003's held-out loss (answer_nll) ----
+
+EVAL_SEED = 1234
+NLL_ROWS = 8          # answers per forward of answer_nll
+
+
+def evaluate(models, task, prompts: list, sampling, samples: int, gamma: float) -> tuple[dict, list]:
+    """({eval_<rate>, eval_reward_mean, eval_one_answer, [eval_value_rmse]}, a samples.jsonl
+    record per rollout). eval_one_answer: the commonest text's share (1.0: Lesson 5's collapse);
+    eval_value_rmse: V(s_t) against the discounted outcome reward, over held-out policy tokens."""
+    batch, outcomes = sample_seeded(models, task, prompts, sampling, samples, EVAL_SEED)
+    out = {f"eval_{key}": v for key, v in task.rates(outcomes).items()}
+    out["eval_reward_mean"] = batch.rewards.mean().item()
+    # one answer for every prompt: the share of held-out samples that are the commonest text
+    out["eval_one_answer"] = max(Counter(batch.texts).values()) / len(batch.texts)
+    if models.value_head is not None:
+        m = batch.completion_mask                                                   # (N, C)
+        # lam = 1: A_t + V_t is the Monte-Carlo return, whatever V is.
+        _, returns = advantages.gae(ppo.token_rewards(batch.rewards.to(m.device), m),
+                                    batch.old_values, m, gamma, 1.0)                # (N, C)
+        out["eval_value_rmse"] = ((batch.old_values - returns)[m.bool()] ** 2).mean().sqrt().item()
+    return out, [task.describe(t, o) for t, o in zip(batch.texts, outcomes)]
+
+
+def sample_seeded(models, task, prompts: list, sampling, samples: int, seed: int):
+    """task.sample of `samples` rollouts per prompt under a fixed seed; the training RNG untouched."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return task.sample(models, prompts, samples, sampling, record_old_logp=False)
+
+
+@torch.no_grad()
+def answer_nll(models, task, prompts: list) -> float:
+    """- sum of log p(token) over the right answers' tokens / their number, teacher-forced at
+    temperature 1 (prompts and tool output not counted: policy.sft_rows's labels)."""
+    model, total, tokens = models.model, 0.0, 0
+    for i in range(0, len(prompts), NLL_ROWS):          # a few rows at a time: a real model's memory
+        rows = policy.sft_rows(task, models.tok, [task.answer(p) for p in prompts[i:i + NLL_ROWS]])
+        ids, mask, labels = (t.to(model.device) for t in rows)
+        total += policy.sft_loss_sum(model, ids, mask, labels).item()
+        tokens += int((labels[:, 1:] != -100).sum())
+    return total / max(tokens, 1)
+
+
+# ---- checkpoints ----
+
+def save_best(run: Run) -> None:
+    """--early-stop-patience: a checkpoint of the new best, named in the summary and spared by
+    --keep-checkpoints; if it cannot be written the older stays."""
+    before, run.state.best_checkpoint = run.state.best_checkpoint, f"checkpoints/step-{run.state.step:06d}"
+    if save(run) is None:
+        run.state.best_checkpoint = before
+
+
+def reserve_bytes(model, value_head=None) -> int:
+    """The disk held for the last checkpoint: fp32 weights and AdamW's two moments, 4 MB more."""
+    params = list(model.parameters()) + (list(value_head.parameters()) if value_head is not None else [])
+    return 3 * sum(p.numel() * 4 for p in params) + 4 * 2 ** 20
+
+
+def save(run: Run) -> Path | None:
+    """A checkpoint now, the oldest pruned; None (said, counted) when it cannot be written."""
+    state, models = run.state, run.learner.models
+    # the checkpoint: one dict beside the weights (checkpoint.save adds the random generators)
+    whole = {"optimizer": run.learner.optimizer.state_dict(),
+             "loop": dataclasses.asdict(dataclasses.replace(state, seconds=state.seconds + time.time() - run.started)),
+             "controllers": {name: c.state_dict() for name, c in run.controllers.items()}}
+    path = None
+    if not logprobs.forward_is_finite(models.model):
+        # blown-up weights would become the newest checkpoint, the one --resume picks
+        run.log(f"step {state.step}: checkpoint not written: these weights give non-finite logits "
+                f"(newest good checkpoint: {checkpoint.find(run.out) or 'none'})")
+    else:
+        policy = models.model
+        if lora.adapters(policy):        # LoRA: the adapters kept whole, the weights merged (plain transformers loads them)
+            whole["adapters"], policy = lora.adapter_state(policy), lora.merged(policy)
+        try:
+            try:
+                path = checkpoint.save(run.out, state.step, policy, models.tok, whole, run.rng)
+            except (OSError, RuntimeError, SafetensorError):
+                if not checkpoint.release(run.out):       # the room held for this (start): once
+                    raise
+                run.warn(f"step {state.step}: the disk is full; the room held for a checkpoint is used for it")
+                path = checkpoint.save(run.out, state.step, policy, models.tok, whole, run.rng)
+        except (OSError, RuntimeError, SafetensorError) as e:         # torch.save's failures are RuntimeErrors
+            state.failed_saves += 1
+            why = unsavable(run, e)          # it cannot work: stop now, the last good one untouched
+            state.stopped = why or state.stopped
+            run.warn(f"step {state.step}: " + (why or f"checkpoint not written ({type(e).__name__}: {e}); "
+                                                      f"the run goes on"))
+    spare = run.out / state.best_checkpoint if state.best_checkpoint else None    # early stopping's best
+    for old in checkpoint.prune(run.out, run.cfg.keep_checkpoints, spare):
+        run.log(f"removed checkpoint {old.name} (--keep-checkpoints {run.cfg.keep_checkpoints})")
+    return path
+
+
+def unsavable(run: Run, error: Exception) -> str | None:
+    """Why no later checkpoint can be written either, or None: a file-size limit (safetensors
+    says "os error 27"), or less room than the weights and the optimizer's state take."""
+    step, last = run.state.step, checkpoint.find(run.out) or "none"
+    if getattr(error, "errno", None) == errno.EFBIG or f"os error {errno.EFBIG})" in str(error):
+        return (f"a file of the checkpoint of step {step} is larger than this system allows (ulimit -f, or "
+                f"FAT32's 4 GB); the last good one is {last}; raise the limit, or --out on another disk")
+    tensors = list(run.learner.models.model.parameters()) + [
+        t for s in run.learner.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    need, free = sum(t.numel() * t.element_size() for t in tensors), shutil.disk_usage(run.out).free
+    if free < need:
+        return (f"the disk is full: the checkpoint of step {step} needs about {need / 2**20:.0f} MB and "
+                f"{free / 2**20:.0f} MB are free; the last good one is {last}; --resume {run.out} once there is room")
+    return None
+
+
+# ---- a rank lost, a stop before the loop ----
 
 class RankLost(RuntimeError):
     """Under torchrun, a collective failed: another rank died (killed, crashed) or hung."""
@@ -350,11 +554,10 @@ def lost_rank_message(run: Run, error: RuntimeError) -> str:
 
 
 def stopped_at_once(cfg: Config, signal_name: str) -> int:
-    """Say in one line what a stop outside the loop's own handling left, and return the exit code
-    (128 + the signal). Before training (the folder holds no run) the folder this command made is
-    removed, so the same command starts afresh; the warm start is cached only once it is done."""
+    """Say in one line what a stop outside the loop left; return 128 + the signal. Before
+    training, the folder this command made is removed, so the same command starts afresh."""
     out = Path(cfg.out)
-    if checks.holds_run(out):
+    if config.holds_run(out):
         where = f"--resume {out} continues from its newest checkpoint" if checkpoint.find(out) else \
             "it had no checkpoint yet: run the command again with --overwrite"
         print(f"train.py: stopped at once ({signal_name}); {where}", file=sys.stderr)

@@ -4,7 +4,7 @@ A task is a module: workflow_task.py (report 001's workflow DSL) and tool_task.p
 000's multi-turn tool calling). train.py and models/policy.py use a task only through the names
 of `Task` below, so a new task is a module with these names, added to TASKS.
 
-`Sampling` is the part of the run's configuration a task reads (config.sampling builds it
+`Sampling` is the part of the run's configuration a task reads (Sampling.of builds it
 from the flags): how to sample, and, for the tools task, how to score an episode.
 """
 from dataclasses import dataclass
@@ -28,6 +28,13 @@ class Sampling:
     rollout_temperature: float = 0.0  # the sampler's temperature when not `temperature` (mismatch.py); 0 = same
     rollout_logprobs: bool = False   # record the sampler's own log-probs (mismatch.sampler_logprobs)
 
+    @classmethod
+    def of(cls, cfg) -> "Sampling":
+        """How a run (cfg: running/config.Config) samples and scores, in training and evaluation."""
+        return cls(temperature=cfg.temperature, max_new_tokens=cfg.new_tokens, forward_batch=cfg.micro_batch or None,
+                   shared_prefix=not cfg.no_shared_prefix, max_turns=cfg.max_turns, reward=cfg.reward,
+                   reward_clip=cfg.reward_clip or None, process_reward=not cfg.drop_process_reward)
+
 
 class Task(Protocol):
     """The names a task module defines (module attributes satisfy a Protocol)."""
@@ -37,7 +44,7 @@ class Task(Protocol):
     MAX_DIFFICULTY: int              # --difficulty's largest value (1: a task with one difficulty)
     HEADLINE: tuple                  # the two rates the progress line and summary show
     FORMAT_KEY: str                  # the on-format rate: a collapse halves it
-    GROUP_KEY: str                   # the prompt field results are broken down by (evaluate.by_group)
+    GROUP_KEY: str                   # the prompt field results are broken down by (lab.compare.by_group)
     RATES: tuple                     # every key of rates()
     ENDS_WITH_EOS: bool              # a completion ends with the EOS token (warm start adds it)
 
@@ -59,7 +66,7 @@ class Task(Protocol):
         the prompt first."""
 
     def answer(self, prompt: dict) -> list[tuple[str, bool]]:
-        """A right answer to a prompt as (text, trained) segments (evaluate.answer_nll)."""
+        """A right answer to a prompt as (text, trained) segments (running.session.answer_nll)."""
 
     def vocabulary(self) -> list[str]:
         """Every word the task can produce (the tiny word-level tokenizer)."""
@@ -70,3 +77,16 @@ class Task(Protocol):
 
 
 TASKS: dict[str, Task] = {t.NAME: t for t in (workflow_task, tool_task)}
+
+
+def prompts_of(task: Task, cfg) -> dict:
+    """A run's prompts (cfg: running/config.Config): "train", those of each difficulty it trains
+    at; "eval", --eval-prompts held-out ones spread over the list; "nll", as many training
+    prompts (32 by default) for the answer NLL."""
+    levels = range(1, cfg.difficulty + 1) if cfg.curriculum else [cfg.difficulty]
+    train = {d: task.prompts("train", d) for d in levels}
+    held_out, n = task.prompts("eval", cfg.difficulty), cfg.eval_prompts
+
+    def spread(xs: list, k: int) -> list:              # every (len/k)-th: each part of the list
+        return xs[::max(1, len(xs) // k)][:k]
+    return {"train": train, "eval": spread(held_out, n or len(held_out)), "nll": spread(train[cfg.difficulty], n or 32)}

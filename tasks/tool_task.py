@@ -36,7 +36,7 @@ SYSTEM_PROMPT = (
 MAX_POSITIONS = 384          # prompt + up to 5 turns and 4 tool responses (difficulty 3)
 HEADLINE = ("accuracy", "tool_success_rate")
 FORMAT_KEY = "wellformed_rate"
-GROUP_KEY = "benchmark"      # results broken down by the prompt's benchmark (evaluate.by_group)
+GROUP_KEY = "benchmark"      # results broken down by the prompt's benchmark (lab.compare.by_group)
 RATES = ("accuracy", "answer_rate", "tool_calls", "tool_success_rate", "wellformed_rate", "turns",
          *(f"failure/{kind}" for kind in FAILURES))                     # the keys of rates()
 ENDS_WITH_EOS = False        # an episode ends at </answer> (a stop string), not at EOS
@@ -132,7 +132,7 @@ def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[lis
 
 def answer(prompt: dict) -> list[tuple[str, bool]]:
     """A right episode for a prompt, as (text, trained) segments: look each benchmark up, then
-    answer with what the tool said (the held-out answer NLL's text: evaluate.answer_nll)."""
+    answer with what the tool said (the held-out answer NLL's text: running.session.answer_nll)."""
     return demonstration(prompt["seed"], random.Random(0), kind="lookup", difficulty=prompt["difficulty"])
 
 

@@ -44,7 +44,7 @@ MAX_POSITIONS = 128          # the tiny model's context: prompt + one completion
 MAX_DIFFICULTY = 1           # one kind of prompt (tasks.Task; the tools task has 3)
 HEADLINE = ("best_rate", "valid_rate")   # the rates the progress line and the summary show
 FORMAT_KEY = "valid_rate"                # on-format share: a collapse halves it
-GROUP_KEY = "type"                       # results broken down by problem type (evaluate.by_group)
+GROUP_KEY = "type"                       # results broken down by problem type (lab.compare.by_group)
 RATES = ("best_rate", "valid_rate", "fallback_rate", "junk_rate")   # the keys of rates()
 ENDS_WITH_EOS = True                     # a completion ends with the EOS token
 
@@ -97,7 +97,7 @@ BEST_SHARE_OF_VALID = 0.35   # our choice: P(best | valid DSL) in the warm-start
 
 
 def prompts(split: str, difficulty: int = 1) -> list[dict]:
-    """The task has one difficulty (MAX_DIFFICULTY): running/checks.py refuses --difficulty above it."""
+    """The task has one difficulty (MAX_DIFFICULTY): running/config.py refuses --difficulty above it."""
     return make_prompts(split)
 
 
@@ -142,7 +142,7 @@ def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[lis
 
 def answer(prompt: dict) -> list[tuple[str, bool]]:
     """The right completion for a prompt, as (text, trained) segments: the best workflow
-    (the held-out answer NLL's text: evaluate.answer_nll)."""
+    (the held-out answer NLL's text: running.session.answer_nll)."""
     return [(prompt["text"], False), (prompt["best"], True)]
 
 

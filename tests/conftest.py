@@ -100,7 +100,7 @@ def configure(argv: list):
     paper's constant: config.is_flag) is set on the parsed configuration and checked as the
     flags are (what a run resumed from a hand-edited config.json meets): one line, exit 2."""
     import dataclasses
-    from running import checks, config
+    from running import config
     knobs = {f.name: f for f in dataclasses.fields(config.Config)}
     flags, fields, i = [], {}, 0
     while i < len(argv):
@@ -116,8 +116,8 @@ def configure(argv: list):
         return cfg
     cfg = dataclasses.replace(cfg, **fields)
     try:
-        return checks.validate(cfg, config.LESSONS)
-    except checks.ConfigError as e:
+        return config.validate(cfg, config.LESSONS)
+    except config.ConfigError as e:
         config.fail(str(e))
 
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from running import config
-from running import session
+import tasks
 from models import policy
 import rewards
 import schedules
@@ -157,7 +157,7 @@ def test_a_curriculum_run_trains_each_phase_at_its_difficulty_and_evaluates_the_
     for record in train_records:
         asked = {s["prompt"].count("Which kernel setting") for s in record["samples"]}
         assert asked == {rows[record["step"]]["difficulty"]}, record["step"]
-    prompts = session.prompts_of(tool_task, cfg)                 # held out: the long task only
+    prompts = tasks.prompts_of(tool_task, cfg)                 # held out: the long task only
     assert sorted(prompts["train"]) == [1, 2, 3]
     assert {p["difficulty"] for p in prompts["eval"] + prompts["nll"]} == {3}
 

@@ -120,8 +120,8 @@ def test_a_lora_run_starts_at_kl_0_trains_only_adapters_and_its_checkpoint_loads
     plain = AutoModelForCausalLM.from_pretrained(ckpt)
     assert not lora.adapters(plain)
     import tasks
-    from running import session
-    base, _ = session.load(cfg, tasks.TASKS[cfg.task], "cpu", log=lambda s: None)    # the warm start, as the run loaded it
+    from models import policy
+    base, _ = policy.load(cfg, tasks.TASKS[cfg.task], "cpu", log=lambda s: None)    # the warm start, as the run loaded it
     lora.add_adapters(base, 2, 32)
     lora.load_adapter_state(base, state["adapters"])
     ids = torch.tensor([[3, 7, 2, 9]])

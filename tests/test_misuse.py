@@ -1,5 +1,6 @@
 """What a careless or unlucky user does, kept as tests: each input gets one line and exit 2
 before any work; each accident during a run is caught, counted, said, and survived."""
+import dataclasses
 import json
 import os
 import shutil
@@ -17,7 +18,6 @@ from tools import bench
 from tools import decode_floor
 from running import checkpoint
 from lab import compare
-from running import checks
 from running import config
 import logprobs
 from lab import main as lab
@@ -55,7 +55,10 @@ NOT_DEFAULT = {"norm": "group", "adv_clip": "3", "clip_eps": "0.1", "clip_eps_hi
                "rce_temp_end": "0.7", "policy_loss": "dual-clip",
                "top_entropy_quantile": "0.2", "overlong_buffer": "4", "entropy_target": "0.3",
                "mask_truncated": None, "rollout_correction": "tis", "critic": "separate", "critic_lr": "1e-4"}
-PAIRS = [(name, algo) for name, algos in config.USED_BY.items() for algo in ("grpo", "ppo", "rce") if algo not in algos]
+# the flags only some algorithms read (their metadata's "algos")
+USED_BY = {f.name: f.metadata["algos"] for f in dataclasses.fields(config.Config)
+           if "algos" in f.metadata and config.is_flag(f)}
+PAIRS = [(name, algo) for name, algos in USED_BY.items() for algo in ("grpo", "ppo", "rce") if algo not in algos]
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -77,7 +80,7 @@ def test_resume_with_a_wrong_typed_config_json_says_which_field(tmp_path, capsys
 
 
 def test_every_algorithm_only_flag_is_in_the_table():
-    assert set(NOT_DEFAULT) == set(config.USED_BY)
+    assert set(NOT_DEFAULT) == set(USED_BY)
 
 
 @pytest.mark.parametrize("name, algo", PAIRS)
@@ -87,7 +90,7 @@ def test_a_flag_an_algorithm_ignores_is_refused_naming_who_uses_it(name, algo, t
     exits_2(capsys, lambda: config.parse_config(quick(tmp_path, "r", "--algo", algo, flag, *value)), flag)
 
 
-@pytest.mark.parametrize("name, algo", [(n, a) for n, algos in config.USED_BY.items() for a in algos])
+@pytest.mark.parametrize("name, algo", [(n, a) for n, algos in USED_BY.items() for a in algos])
 def test_the_same_flag_is_accepted_where_it_acts(name, algo, tmp_path):
     value = [] if NOT_DEFAULT[name] is None else [NOT_DEFAULT[name]]
     config.parse_config(quick(tmp_path, "r", "--algo", algo, "--" + name.replace("_", "-"), *value))
@@ -471,7 +474,7 @@ def test_the_default_folder_names_the_model_and_the_start():
                           init_from="runs/rce", policy_loss="clip", ratio_level="token", epochs=1,
                           rollout_dtype="same", rollout_stale=0, algo="grpo", k=8, batch=8, norm="global",
                           lr=2e-5, seed=0)
-    assert checks.default_out(cfg) == "runs/My-Model_from-rce_k8_b8_global_lr2e-05_s0"
+    assert config.default_out(cfg) == "runs/My-Model_from-rce_k8_b8_global_lr2e-05_s0"
 
 
 def test_a_second_run_into_a_busy_folder_is_refused_in_one_line(tmp_path, capsys):
@@ -589,15 +592,15 @@ def test_a_signal_saves_the_weights_before_the_held_out_evaluation(tmp_path, mon
     """on SIGTERM rank 0 evaluated first and saved after; torchrun kills the group 30 s
     after its SIGTERM, longer than a real model's evaluation, and no checkpoint was left."""
     from running import distributed
-    from running import bookkeeping
+    from running import session
     steps = []
     monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 2 else None))
-    seen, real = [], bookkeeping.held_out
+    seen, real = [], session.held_out
 
     def held_out(run, row):
         seen.append((row["step"], checkpoint.find(run.out)))
         return real(run, row)
-    monkeypatch.setattr(bookkeeping, "held_out", held_out)
+    monkeypatch.setattr(session, "held_out", held_out)
     summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--eval-every", "1000")))
     assert summary["steps"] == 2 and "SIGTERM" in summary["stopped"]
     assert seen[-1][0] == 2 and seen[-1][1] is not None and seen[-1][1].name == "step-000002", seen
@@ -607,23 +610,23 @@ def test_a_kill_during_the_evaluation_after_a_stop_loses_no_step(tmp_path, monke
     """SIGTERM, then SIGKILL during the held-out evaluation that follows (torchrun's grace): the
     checkpoint preceded the step's metrics line, and after --resume that step was gone for good."""
     from running import distributed
-    from running import bookkeeping
+    from running import session
     steps = []
     monkeypatch.setattr(distributed, "first_reason", lambda reason: steps.append(1) or ("SIGTERM" if len(steps) == 3 else None))
 
     class Killed(BaseException):
         pass
-    real = bookkeeping.held_out
+    real = session.held_out
 
     def held_out(run, row):
         if row["step"] == 3:
             raise Killed()                           # SIGKILL: nothing after this runs
         return real(run, row)
-    monkeypatch.setattr(bookkeeping, "held_out", held_out)
+    monkeypatch.setattr(session, "held_out", held_out)
     with pytest.raises(Killed):
         train.train(config.parse_config(flags(tmp_path, "run", "--steps", "5", "--eval-every", "1000")))
     assert [r["step"] for r in read(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
-    monkeypatch.setattr(bookkeeping, "held_out", real)
+    monkeypatch.setattr(session, "held_out", real)
     monkeypatch.setattr(distributed, "first_reason", lambda reason: None)
     train.train(config.parse_config(["--resume", str(tmp_path / "run"), "--steps", "5"]))
     rows = read(tmp_path / "run" / "metrics.jsonl")
@@ -687,7 +690,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_
     once, saying what failed and how much room it needed, exit 1, the last good checkpoint
     untouched, and --resume works once there is room."""
     from collections import namedtuple
-    from running import bookkeeping
+    from running import session
     real_save, calls = checkpoint.save, {"n": 0}
 
     def second_fails(*args, **kwargs):
@@ -696,7 +699,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_
             raise RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file")
         return real_save(*args, **kwargs)
     monkeypatch.setattr(checkpoint, "save", second_fails)
-    monkeypatch.setattr(bookkeeping.shutil, "disk_usage", lambda path: namedtuple("U", "total used free")(1, 1, 1024))
+    monkeypatch.setattr(session.shutil, "disk_usage", lambda path: namedtuple("U", "total used free")(1, 1, 1024))
     summary = train.train(config.parse_config(flags(tmp_path, "run", "--steps", "8", "--save-every", "2")))
     err = capsys.readouterr().err
     assert summary["steps"] == 4 and "the disk is full" in summary["stopped"] and train.exit_code(summary) == 1

@@ -10,7 +10,7 @@ import torch
 
 from lab import compare
 from running import config
-from running import evaluate
+from running import session
 import logprobs
 from models import policy
 import rce
@@ -169,7 +169,7 @@ def test_answer_nll_equals_a_plain_loop_over_the_answer_tokens(tmp_path):
         for j, token in enumerate(answer):              # position len(prompt)+j-1 predicts it
             total -= logp[len(prompt) + j - 1, token].item()
             count += 1
-    got = evaluate.answer_nll(rollout.Models(model, tok), workflow_task, prompts)
+    got = session.answer_nll(rollout.Models(model, tok), workflow_task, prompts)
     assert got == pytest.approx(total / count, rel=1e-4)
 
 
@@ -201,7 +201,7 @@ def test_by_group_partitions_the_rollouts_and_all_is_their_whole():
             return {"best_rate": sum(outcomes) / len(outcomes)}
 
     prompts = [{"type": "a"}, {"type": "b"}, {"type": "a"}]
-    out = evaluate.by_group(None, FakeTask, prompts, None, samples=4, seed=0)
+    out = compare.by_group(None, FakeTask, prompts, None, samples=4, seed=0)
     assert out == {"a": {"best_rate": 0.5, "reward_mean": 0.5}, "b": {"best_rate": 0.0, "reward_mean": 0.0},
                    "all": {"best_rate": 4 / 12, "reward_mean": 4 / 12}}
 

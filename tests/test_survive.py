@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from running import checkpoint
-from running import session
 from running import config
+from models import policy
 import monitor
 import train
 from tasks import workflow_task
@@ -42,7 +42,7 @@ def weights(ckpt):
 
 def poison_training_forward(monkeypatch, on_calls):
     """Make the logits NaN on the given training-mode forward passes (1-based count)."""
-    real_load = session.load
+    real_load = policy.load
     calls = {"n": 0}
 
     def load(*args, **kwargs):
@@ -56,7 +56,7 @@ def poison_training_forward(monkeypatch, on_calls):
             return output
         model.get_output_embeddings().register_forward_hook(hook)     # the LM head
         return model, tok
-    monkeypatch.setattr(session, "load", load)
+    monkeypatch.setattr(policy, "load", load)
 
 
 # ---- the non-finite guard ----

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from conftest import quick
-from running import checks
+from running import config
 
 
 class FakeWriter:
@@ -31,7 +31,7 @@ class FakeWriter:
 def test_tensorboard_mirrors_every_number_of_metrics_jsonl(tmp_path, monkeypatch):
     from running import config
     import train
-    monkeypatch.setattr(checks, "has_tensorboard", lambda: True)
+    monkeypatch.setattr(config, "has_tensorboard", lambda: True)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
     train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard")))
     writer = FakeWriter.made[-1]
@@ -44,7 +44,7 @@ def test_tensorboard_mirrors_every_number_of_metrics_jsonl(tmp_path, monkeypatch
 
 def test_without_the_package_tensorboard_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     from running import config
-    monkeypatch.setattr(checks, "has_tensorboard", lambda: False)
+    monkeypatch.setattr(config, "has_tensorboard", lambda: False)
     with pytest.raises(SystemExit) as e:
         config.parse_config(quick(tmp_path, "tb", "--tensorboard"))
     err = capsys.readouterr().err.strip()
@@ -57,7 +57,7 @@ def test_a_resumed_run_purges_the_abandoned_steps_from_tensorboard(tmp_path, mon
     """After --resume, TensorBoard kept the abandoned history's values: two a step redone."""
     from running import config
     import train
-    monkeypatch.setattr(checks, "has_tensorboard", lambda: True)
+    monkeypatch.setattr(config, "has_tensorboard", lambda: True)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
     train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard", "--save-every", "2")))
     assert FakeWriter.made[-1].purge_step is None
@@ -71,7 +71,7 @@ def test_a_writer_that_cannot_start_is_one_line_and_the_run_goes_on(tmp_path, mo
 
     def refuses(folder, **kw):
         raise PermissionError(13, "Permission denied", folder)
-    monkeypatch.setattr(checks, "has_tensorboard", lambda: True)
+    monkeypatch.setattr(config, "has_tensorboard", lambda: True)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=refuses))
     summary = train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard")))
     assert summary["steps"] == 3 and "--tensorboard: cannot write to" in capsys.readouterr().err

@@ -7,7 +7,6 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from running import config
-from running import session
 import grpo
 import surrogates
 import logprobs
@@ -168,9 +167,9 @@ def test_ppo_runs_the_tool_task_with_the_reward_on_each_episode_s_last_policy_to
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert all(rows[s]["updated"] for s in (1, 2)) and summary["eval_value_rmse_end"] >= 0
     # The same warm start's own multi-turn rollouts: the reward sits on each row's last policy token.
-    model, tok = session.load(c, tool_task, "cpu", lambda s: None)
+    model, tok = policy.load(c, tool_task, "cpu", lambda s: None)
     torch.manual_seed(0)
-    batch, _ = tool_task.sample(rollout.Models(model, tok), tool_task.prompts("train")[:2], 4, config.sampling(c))
+    batch, _ = tool_task.sample(rollout.Models(model, tok), tool_task.prompts("train")[:2], 4, tasks.Sampling.of(c))
     m = batch.completion_mask
     turns = ((m[:, 1:] == 1) & (m[:, :-1] == 0)).sum(1) + m[:, 0]            # runs of 1s per row
     assert (turns > 1).any()                                                  # multi-turn rows exist

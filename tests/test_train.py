@@ -4,7 +4,7 @@ import json
 import pytest
 
 from running import config
-from running import session
+import tasks
 import grpo
 from models import policy
 import train
@@ -153,10 +153,10 @@ def test_proportional_kl_control_moves_beta_as_ziegler_s_rule_says(tmp_path):
 
 def test_eval_prompts_evaluates_that_many_held_out_prompts_spread_over_the_list(tmp_path):
     held, trained = workflow_task.prompts("eval"), workflow_task.prompts("train")
-    every = session.prompts_of(workflow_task, config.parse_config(quick(tmp_path, "all")))
+    every = tasks.prompts_of(workflow_task, config.parse_config(quick(tmp_path, "all")))
     assert every["eval"] == held and every["nll"] == trained[::3][:32]            # the default: all 32
     cfg = config.parse_config(quick(tmp_path, "few", "--eval-prompts", "4"))
-    few = session.prompts_of(workflow_task, cfg)
+    few = tasks.prompts_of(workflow_task, cfg)
     assert few["eval"] == [held[0], held[8], held[16], held[24]] and few["nll"] == trained[::24][:4]
     assert len({p[workflow_task.GROUP_KEY] for p in few["eval"]}) > 1              # not the first type alone
     train.train(cfg)                                      # 1 sample per prompt: 4 held-out rollouts
