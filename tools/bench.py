@@ -46,7 +46,7 @@ import torch
 
 import lora
 from models import pretrained
-from running import checks, config, report
+from running import config, report
 
 loading.loaded()                          # from here a KeyboardInterrupt stops a run's subprocess first
 
@@ -454,7 +454,7 @@ def main(argv=None):
         p.error(f"--lora-rank must be in [0, 4096], got {args.lora_rank}")
     if args.lora_rank and args.vs_trl:
         p.error("--lora-rank measures ours alone (TRL's LoRA goes through peft, not installed here); drop --vs-trl")
-    if args.json and (Path(args.json).is_dir() or not (checks.writable(Path(args.json).parent) and
+    if args.json and (Path(args.json).is_dir() or not (config.writable(Path(args.json).parent) and
                       (not Path(args.json).exists() or os.access(args.json, os.W_OK)))):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
     if args.what == "logprobs":

@@ -39,7 +39,6 @@ import rollout
 import shared_prefix
 from tools import bench
 from models import pretrained
-from running import checks
 from running import config
 
 
@@ -121,7 +120,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.json and (Path(args.json).is_dir() or not checks.writable(Path(args.json).parent)):
+    if args.json and (Path(args.json).is_dir() or not config.writable(Path(args.json).parent)):
         p.error(f"--json: cannot write {args.json!r}")
     if args.model:
         problem = pretrained.problem(args.model)
