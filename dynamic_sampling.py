@@ -62,7 +62,7 @@ def problems(cfg):
 # in none of these lists fails tests/test_dynamic_sampling.py, so a new one cannot be dropped silently.
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 COMPLETION_FIELDS = ("completion_ids", "completion_mask", "old_logp", "ref_logp", "old_values", "returns",
-                     "completion_attn", "rollout_logp")
+                     "completion_attn", "rollout_logp", "kept")
 ROW_FIELDS = ("texts", "rewards", "truncated")
 NOT_PADDED = ROW_FIELDS + ("share_prefix", "advantages", "is_weight")
 
@@ -74,8 +74,9 @@ def informative(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def pad(t: torch.Tensor, width: int, left: bool) -> torch.Tensor:
-    """(n, w) -> (n, width), zeros added on the left (prompts) or the right (completions)."""
-    extra = t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:])
+    """(n, w) -> (n, width), zeros added on the left (prompts) or the right (completions); a kept
+    set (bool, (n, w, V)) gets every token kept there (padding, never trained on)."""
+    extra = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), t.dtype == torch.bool and t.dim() == 3)
     return torch.cat([extra, t] if left else [t, extra], 1)
 
 

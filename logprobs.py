@@ -25,6 +25,7 @@ class Tokens(NamedTuple):
     completion_ids: torch.Tensor    # (n, C) right-padded
     attention: torch.Tensor         # (n, C) 1 on every real completion token (policy's or not)
     share: bool = False             # rows that repeat a prompt may share its forward (shared_prefix.py)
+    kept: torch.Tensor | None = None  # (n, C, V) bool: the sampler's kept set (truncation.py), or None
 
 
 # ---- log-probabilities ----
@@ -129,7 +130,8 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
     the samples were actually drawn from. The entropy carries a gradient only when
     entropy_grad (an entropy bonus); as a metric it stays out of the graph. The head (in
     float32, with the model's own logit post-processing: `head_logits`) and the log-softmax
-    run on LOGITS_CHUNK_ELEMENTS-sized groups of rows.
+    run on LOGITS_CHUNK_ELEMENTS-sized groups of rows. With tokens.kept (--mask-replay) the
+    log-probs are renormalised over the sampler's kept set; the entropy stays the whole policy's.
     """
     completion_ids = tokens.completion_ids                                  # (n, C)
     c_len = completion_ids.shape[1]
@@ -140,7 +142,9 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
     logps, entropies = [], []
     for i in range(0, len(completion_ids), step):
         logits = head_logits(model, h[i:i + step, :-1]) / temperature       # (rows, C, V) float32
-        logps.append(token_logprobs(logits, completion_ids[i:i + step]))    # (rows, C)
+        # --mask-replay: log pi_K(y) = log pi(y) - log S, over the tokens the sampler kept
+        kept = logits if tokens.kept is None else logits.masked_fill(~tokens.kept[i:i + step], -torch.inf)
+        logps.append(token_logprobs(kept, completion_ids[i:i + step]))      # (rows, C)
         if with_entropy:
             entropies.append(token_entropy(logits if entropy_grad else logits.detach()))
     logp = torch.cat(logps)                                                 # (n, C)

@@ -58,8 +58,10 @@ class Knobs:
                                                   "algos": ("ppo",)})
     value_clip: float = field(default=0.2, metadata={"help": "value-loss clip range around the old values; 0 = "
                               "unclipped", "min": 0, "max": 1e6, "algos": ("ppo",)})
-    gamma: float = field(default=1.0, metadata={"help": "discount per token", "min": 0, "max": 1, "algos": ("ppo",)})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "min": 0, "max": 1, "algos": ("ppo",)})
+    gamma: float = field(default=1.0, metadata={"help": "discount per token", "min": 0, "max": 1, "algos": ("ppo",),
+                                                "flag": False})                 # TRL's; no run turns them
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda", "min": 0, "max": 1, "algos": ("ppo",),
+                                               "flag": False})
 
 
 @dataclass

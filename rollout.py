@@ -8,8 +8,7 @@ first EOS it sampled, and 0 after it: built from the first EOS's position, never
 ids (where the pad token is the EOS, masking pad ids would drop the sampled EOS from the
 loss, and the policy would never learn when to stop).
 
-Multi-turn episodes (`sample_episodes`, the tool task): the policy's turns and the
-environment's replies alternate after the prompt. A token the environment inserted (a
+Multi-turn episodes (`sample_episodes`, the tool task): a token the environment inserted (a
 `<tool_response>`) is attended to (completion_attn) but never trained on (completion_mask 0).
 """
 import re
@@ -23,6 +22,7 @@ import lora
 import mismatch
 import shared_prefix
 import tool_env
+import truncation
 from logprobs import Tokens, completion_logprobs, left_pad, pad
 
 
@@ -78,6 +78,7 @@ class Rollout:
     truncated: torch.Tensor | None = None    # (N,) bool: cut at the token limit, never ended (EOS / stop)
     rollout_logp: torch.Tensor | None = None  # (N, C) the sampler's own log-probs (mismatch.py)
     is_weight: torch.Tensor | None = None     # (N, C) the mismatch correction's weight (mismatch.weigh)
+    kept: torch.Tensor | None = None          # (N, C, V) bool: the sampler's kept set (--mask-replay)
 
     def attention(self, idx=slice(None)) -> torch.Tensor:
         """(n, C) attention mask of the completion: every real token, policy's or not."""
@@ -93,7 +94,7 @@ class Rollout:
     def tokens(self, idx=slice(None)) -> Tokens:
         """The rows idx as the four tensors of a forward (logprobs.completion_logprobs)."""
         return Tokens(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx],
-                      self.attention(idx), self.share_prefix)
+                      self.attention(idx), self.share_prefix, None if self.kept is None else self.kept[idx])
 
     def rows(self, idx, trim: bool = False) -> Rows:
         """The rows idx for one forward of the update. trim (--fast) drops the columns that are
@@ -109,7 +110,8 @@ class Rollout:
         def cut(t):                                                    # (N, C) -> (n, kept C)
             return None if t is None else t[idx][:, cols]
         adv = self.advantages[idx] if self.advantages.dim() == 1 else cut(self.advantages)
-        return Rows(Tokens(p_ids, p_mask, self.completion_ids[idx][:, cols], attn[:, cols], self.share_prefix),
+        return Rows(Tokens(p_ids, p_mask, self.completion_ids[idx][:, cols], attn[:, cols], self.share_prefix,
+                           cut(self.kept)),
                     cut(self.completion_mask), cut(self.old_logp), cut(self.ref_logp), adv,
                     cut(self.old_values), cut(self.returns), cut(self.is_weight))
 
@@ -139,21 +141,20 @@ def format_prompt(tok, text: str, system: str) -> str:
 
 # ---- sampling from exactly the distribution we score ----
 
-def plain_sampling(tok, temperature: float, max_new_tokens: int, **extra) -> GenerationConfig:
-    """Sampling from softmax(logits / temperature) and nothing else: every logits processor
-    of `generate` set to its neutral value (no top-k/top-p/min-p/typical-p truncation, no
-    repetition penalty, no banned n-grams or words, no forced or suppressed tokens). The
-    log-probs we store are those of this distribution, so the ratio and the KL are right.
-    extra: the end tokens, stop strings, cache implementation."""
-    return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None,
+def plain_sampling(tok, temperature: float, max_new_tokens: int, top_p: float = 1.0, top_k: int = 0,
+                   **extra) -> GenerationConfig:
+    """Sampling from softmax(logits / temperature), truncated only by top_p / top_k (truncation.py;
+    by default not at all): every other processor of `generate` neutral (no min-p, repetition
+    penalty, banned words, forced tokens), so the log-probs we store are those of the distribution
+    sampled. extra: the end tokens, stop strings, cache implementation."""
+    return GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, min_p=None,
                             typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0,
-                            encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
-                            encoder_no_repeat_ngram_size=0, bad_words_ids=None, suppress_tokens=None,
-                            begin_suppress_tokens=None, forced_bos_token_id=None,
-                            forced_eos_token_id=None, sequence_bias=None, guidance_scale=None,
-                            exponential_decay_length_penalty=None, min_length=0, min_new_tokens=None,
-                            renormalize_logits=False, num_beams=1, max_new_tokens=max_new_tokens,
-                            pad_token_id=tok.pad_token_id, **extra)
+                            encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0,
+                            bad_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
+                            forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None,
+                            guidance_scale=None, exponential_decay_length_penalty=None, min_length=0,
+                            min_new_tokens=None, renormalize_logits=False, num_beams=1,
+                            max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **extra)
 
 
 class NonFiniteLogits(RuntimeError):
@@ -194,19 +195,18 @@ def generate(model, gen_config: GenerationConfig, share: bool = False, **inputs)
 
 @torch.no_grad()
 def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp: bool = True) -> Rollout:
-    """Generate k completions for each prompt and record them with their log-probs (and,
-    given a value head, the values, from the same forward pass). record_old_logp=False skips
-    the policy's forward when nothing needs it (evaluation; --fast with one update per batch).
-    sampling.static_cache: a static KV cache, compiled on a GPU, prompts padded to 64s."""
+    """Generate k completions a prompt, recorded with their log-probs (and a value head's values, from
+    the same forward). record_old_logp=False skips that forward when nothing needs it (evaluation;
+    --fast). sampling.static_cache: a static KV cache, compiled on a GPU, prompts padded to 64s."""
     model, tok = models.model, models.tok
     texts = [t for t in prompt_texts for _ in range(k)]            # N = B*K, grouped
     device = next(model.parameters()).device
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
               pad_to_multiple_of=64 if sampling.static_cache else None).to(device)
     model.eval()                    # generate stops once every sequence sampled EOS
-    record = dict(output_scores=True, return_dict_in_generate=True) if sampling.rollout_logprobs else {}
+    record = dict(output_scores=True, return_dict_in_generate=True) if sampling.rollout_logprobs or sampling.mask_replay else {}
     gen = plain_sampling(tok, sampling.rollout_temperature or sampling.temperature, sampling.max_new_tokens,
-                         eos_token_id=tok.eos_token_id, **record,
+                         top_p=sampling.top_p, top_k=sampling.top_k, eos_token_id=tok.eos_token_id, **record,
                          cache_implementation="static" if sampling.static_cache else None)
     out = generate(models.sampler or model, gen, sampling.shared_prefix and not sampling.static_cache, **enc)
     out, scores = (out.sequences, out.scores) if record else (out, None)           # (N, P+C)
@@ -218,8 +218,9 @@ def sample(models: Models, prompt_texts: list, k: int, sampling, record_old_logp
     batch = Rollout(enc["input_ids"], enc["attention_mask"], completion_ids, mask,
                     None, None, [d.strip() for d in decoded], share_prefix=sampling.shared_prefix,
                     truncated=~(out[:, p_len:] == tok.eos_token_id).any(1))    # no EOS: cut at the limit
-    if scores is not None:                                          # the sampler's log-probs (mismatch.py)
+    if sampling.rollout_logprobs:                                   # the sampler's log-probs (mismatch.py)
         batch.rollout_logp = mismatch.sampler_logprobs(scores, completion_ids) * mask
+    batch.kept = truncation.recorded(scores, mask) if sampling.mask_replay else None   # its kept sets
     return score_logprobs(batch, models, sampling, record_old_logp)
 
 
@@ -250,12 +251,10 @@ def score_logprobs(batch: Rollout, models: Models, sampling, record_old_logp: bo
 @torch.no_grad()
 def sample_episodes(models: Models, prompt_texts: list, envs: list, k: int, sampling,
                     record_old_logp: bool = True):
-    """Play N = B*K multi-turn episodes: envs[i] is already reset and plays row i (rows
-    grouped by prompt, as in `sample`). Each turn, every unfinished episode generates until
-    a stop string (the end of a tool call or of an answer), the environment answers, and its
-    reply is appended to that episode's context. Returns the Rollout (completion = every
-    turn and reply after the prompt; mask 1 only on the policy's tokens), the info dicts of
-    each episode and the texts of each episode's policy turns."""
+    """Play N = B*K multi-turn episodes, envs[i] (reset) playing row i (grouped as in `sample`):
+    each turn every unfinished episode generates until a stop string, the environment answers,
+    and the reply joins its context. Returns the Rollout (completion = every turn and reply after
+    the prompt; mask 1 only on the policy's tokens), each episode's infos and policy turns' texts."""
     model, tok = models.model, models.tok
     stop_strings = envs[0].stop_strings
     device = next(model.parameters()).device

@@ -19,15 +19,43 @@ trainer's log-probs over it,
 
     log pi_K(y) = log pi(y) - log S        so r = pi_K(y) / mu(y) = 1 on-policy, exactly.
 
-This project samples with top-p 1 and top-k 0 (K is the whole vocabulary, S = 1), so its runs
-are not exposed (train.py has no --top-p yet); the functions below show the bias and its fix
-exactly, on any logits.
+By default this project samples with top-p 1 and top-k 0 (K is the whole vocabulary, S = 1).
+`--top-p` (and the field top_k) truncate its sampler (transformers' warpers); `--mask-replay`
+records K at every sampled position (`recorded`) and scores every log-prob of the run over it
+(logprobs.py).
+
+    python train.py --top-p 0.8 --rollout-correction bypass                  # the ratio: S, not 1
+    python train.py --top-p 0.8 --rollout-correction bypass --mask-replay    # the ratio: 1
+
 `kept` follows transformers' own warpers (top-k first, then top-p over what top-k kept, the
 token that crosses p included), which the test checks it against.
 
 The lesson as a test: `python -m pytest -q tests/test_truncation.py -m lesson`.
 """
+from dataclasses import dataclass, field
+
 import torch
+
+
+@dataclass
+class Knobs:
+    """Truncated sampling: top-p, top-k, and the mask replay that keeps the ratio exact."""
+    top_p: float = field(default=1.0, metadata={"help": "sample from the likeliest tokens whose probability "
+                                                "reaches p (1 = every token)", "min": 0.0, "max": 1.0})
+    top_k: int = field(default=0, metadata={"help": "sample from the k likeliest tokens (0 = every token)", "min": 0,
+                                            "flag": False})        # a field: the flags stop at 80
+    mask_replay: bool = field(default=False, metadata={"help": "score every log-prob over the tokens the sampler "
+                                                       "could draw (recorded), so the on-policy ratio is 1"})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.top_p <= 0:
+        yield "top-p", f"must be in (0, 1], got {cfg.top_p}"
+    if cfg.mask_replay and cfg.top_p == 1 and cfg.top_k == 0:
+        yield "mask-replay", "without --top-p < 1 or --top-k > 0 the sampler keeps every token: nothing to replay"
+    if cfg.task == "tools" and (cfg.top_p < 1 or cfg.top_k):
+        yield "top-p" if cfg.top_p < 1 else "top-k", "the tool task's multi-turn sampling is untruncated"
 
 
 def kept(logits, top_p: float = 1.0, top_k: int = 0):
@@ -70,3 +98,11 @@ def token_ratio(trainer_logits, sampler_logits, keep, token, replay: bool):
     sampler = logprobs_over(sampler_logits, keep)
     pick = lambda lp: torch.gather(lp, -1, token.unsqueeze(-1)).squeeze(-1)
     return torch.exp(pick(trainer) - pick(sampler))
+
+
+def recorded(scores: tuple, mask: torch.Tensor) -> torch.Tensor:
+    """(N, C, V) bool: the kept set at every sampled position, read from generate's processed
+    scores (C tensors (N, V); a token the warpers dropped scores -inf); every token past a row's
+    end (mask 0: padding, never trained on), so no position is left with an empty set."""
+    keep = torch.isfinite(torch.stack(scores[:mask.shape[1]], dim=1))                # (N, C, V)
+    return keep | ~mask.bool().unsqueeze(-1)

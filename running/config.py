@@ -33,6 +33,7 @@ import rollout
 import schedules
 import surrogates
 import tasks
+import truncation
 import trust_regions
 import update
 from models import policy, pretrained
@@ -93,13 +94,13 @@ class Run:
 
 
 # the lessons whose knobs (Knobs) are flags, each with its checks (problems), in the course's order
-LESSONS = (advantages, grpo, surrogates, trust_regions, update, schedules, kl, entropy_control, rewards, rollout, mismatch, ppo,
-           rce, dynamic_sampling, monitor, lora)
+LESSONS = (advantages, grpo, surrogates, trust_regions, update, schedules, kl, entropy_control, rewards, rollout,
+           truncation, mismatch, ppo, rce, dynamic_sampling, monitor, lora)
 
 
 @dataclass
 class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, lora.Knobs,
-             *grpo.KNOBS):
+             truncation.Knobs, *grpo.KNOBS):
     """Every flag: the run's own (Run) and each lesson's (its Knobs)."""
 
     @property                        # derived sizes, computed in one place

@@ -27,13 +27,17 @@ class Sampling:
     process_reward: bool = True      # tools task: the tool's process reward counted
     rollout_temperature: float = 0.0  # the sampler's temperature when not `temperature` (mismatch.py); 0 = same
     rollout_logprobs: bool = False   # record the sampler's own log-probs (mismatch.sampler_logprobs)
+    top_p: float = 1.0               # truncated sampling (truncation.py): 1 and 0 keep every token
+    top_k: int = 0
+    mask_replay: bool = False        # record the kept sets; every log-prob scored over them
 
     @classmethod
     def of(cls, cfg) -> "Sampling":
         """How a run (cfg: running/config.Config) samples and scores, in training and evaluation."""
         return cls(temperature=cfg.temperature, max_new_tokens=cfg.new_tokens, forward_batch=cfg.micro_batch or None,
                    shared_prefix=not cfg.no_shared_prefix, max_turns=cfg.max_turns, reward=cfg.reward,
-                   reward_clip=cfg.reward_clip or None, process_reward=not cfg.drop_process_reward)
+                   reward_clip=cfg.reward_clip or None, process_reward=not cfg.drop_process_reward,
+                   top_p=cfg.top_p, top_k=cfg.top_k, mask_replay=cfg.mask_replay)
 
 
 class Task(Protocol):

@@ -51,7 +51,7 @@ def exits_2(capsys, call, flag):
 # accepts it, or is refused naming the algorithms that use it)
 NOT_DEFAULT = {"norm": "group", "adv_clip": "3", "clip_eps": "0.1", "clip_eps_high": "0.28",
                "loss_agg": "constant", "entropy_coef": "0.01", "entropy_coef_end": "0.001",
-               "gamma": "0.99", "lam": "0.9", "vf_coef": "1.0", "value_clip": "0.1", "rce_temp_start": "1.0",
+               "vf_coef": "1.0", "value_clip": "0.1", "rce_temp_start": "1.0",
                "rce_temp_end": "0.7", "policy_loss": "dual-clip",
                "top_entropy_quantile": "0.2", "overlong_buffer": "4", "entropy_target": "0.3",
                "mask_truncated": None, "rollout_correction": "tis", "critic": "separate", "critic_lr": "1e-4"}
