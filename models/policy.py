@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from tokenizers import Tokenizer, models, pre_tokenizers
 # transformers' model classes are imported where a model is built: importing them costs seconds
 # (more on a busy machine), which `train.py --help` and a mistyped flag need not pay
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import logprobs
@@ -373,6 +374,8 @@ def load(cfg, task, device: str, log, init: dict | None = None):
     """The policy RL starts from and its tokenizer, on device, dropout off: a real model (cfg.model)
     or the tiny one, warm-started on the task's mix; with --init-from (init: its pinned
     checkpoint), that run's weights. cfg: running/config.Config."""
+    transformers.utils.logging.set_verbosity_error()           # its warnings and bars, off for the run
+    transformers.utils.logging.disable_progress_bar()
     default = WARM_START["real" if cfg.model else "tiny"]
     warm = WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
                             default.batch, 0, cfg.sft_difficulty, default.micro_batch)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import transformers
 from safetensors import SafetensorError
 
 import advantages
@@ -114,8 +113,6 @@ class Run:
 def open(cfg: Config, build: Callable):
     """The run of cfg (build: train.py's), set up or resumed in its locked folder, signals caught;
     after the block, the summary (run.summary) and torch's thread count as it was."""
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     out, main, threads = Path(cfg.out or config.default_out(cfg)), distributed.is_main(), torch.get_num_threads()
     if main:
         out.mkdir(parents=True, exist_ok=True)
