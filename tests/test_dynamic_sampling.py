@@ -158,6 +158,25 @@ def test_merge_and_select_keep_the_samplers_log_probs():
     assert torch.equal(picked.rollout_logp, a.rollout_logp[2:4])
 
 
+def test_merging_rounds_keeps_the_kept_sets_and_keeps_every_token_in_the_padding():
+    """--mask-replay under --dynamic-sampling: each round's kept sets (N, C, V) survive the merge
+    and the filter; a padded position keeps every token, so its log-prob stays finite."""
+    model = tiny_model()
+    a, b = synthetic_batch(model, n=4, c_len=5, seed=1), synthetic_batch(model, n=2, c_len=4, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    for x in (a, b):
+        x.rewards = torch.zeros(len(x.texts))
+        x.kept = torch.rand(*x.completion_ids.shape, 20, generator=gen) < 0.7
+        x.kept |= torch.nn.functional.one_hot(x.completion_ids, 20).bool()          # the sampled token kept
+    merged = dynamic_sampling.merge([a, b])
+    assert torch.equal(merged.kept[:4], a.kept) and torch.equal(merged.kept[4:, :4], b.kept)
+    assert merged.kept[4:, 4:].all()
+    with torch.no_grad():
+        logp, _ = logprobs.completion_logprobs(model, merged.tokens())
+    assert torch.isfinite(logp).all()
+    assert torch.equal(dynamic_sampling.select(a, torch.tensor([1]), 2).kept, a.kept[2:4])
+
+
 def test_a_correction_acts_under_dynamic_sampling(tmp_path):
     """--dynamic-sampling --rollout-stale 1 with and without TIS: the sampler's log-probs reach
     the update, so the two runs differ and the mismatch is logged (they were bit-identical)."""
