@@ -485,10 +485,11 @@ def real_monitor(lab: RealLab, log=print) -> dict:
     one answer, and how often on runs that never collapse (report 002)."""
     runs = [lab.run(name, label, seed, log) for name in ("real_group_size", "real_rce_grpo")
             for label in SETTINGS[name] if label != "RCE (stage 1)" for seed in range(lab.seeds)]
-    leads, false_alarms, quiet = [], 0, 0
+    leads, false_alarms, quiet, first = [], 0, 0, []
     for run in runs:
         rows = report.read_metrics(Path(run["out"]))
         alerted = [row["step"] for row in rows if row.get("alerts")]
+        first += [(alerted[0], tuple(next(row["alerts"] for row in rows if row.get("alerts"))))] if alerted else []
         at = collapse_step(run)
         if at is None:
             false_alarms += bool(alerted)
@@ -503,11 +504,16 @@ def real_monitor(lab: RealLab, log=print) -> dict:
     verdict = "cannot tell: no run collapsed onto one answer" if not n_collapsed else \
         "reproduced" if len(warned) >= 2 / 3 * n_collapsed and false_alarms < n_fine / 2 else "not reproduced"
     lead_text = ", ".join("none" if x is None else f"{x} steps" for x in leads) or "no collapse"
+    # what the leads cannot show: where the first alert fires, and which, whether a run collapses or not
+    steps, kinds = sorted({s for s, _ in first}), sorted({k for _, ks in first for k in ks})
+    caveat = (f"; the first alert fired at step {' or '.join(map(str, steps))} in {len(first)} of {len(runs)} runs "
+              f"({', '.join(kinds)}), so each lead is the collapse step less that: the alerts as set warn of "
+              f"nothing, and which signal warns early is a question these runs cannot answer") if first else ""
     return dict(report="002", figure=None,
                 claim="the monitor's alerts (entropy low, KL high, reward swings) warn before a collapse",
                 measured=f"{n_collapsed} of {len(runs)} DSL runs collapsed onto one answer; the first alert came "
                          f"before the collapse by: {lead_text}; alerts on runs that never collapsed: "
-                         f"{false_alarms}/{n_fine}",
+                         f"{false_alarms}/{n_fine}{caveat}",
                 verdict=verdict)
 
 
