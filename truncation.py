@@ -104,5 +104,5 @@ def recorded(scores: tuple, mask: torch.Tensor) -> torch.Tensor:
     """(N, C, V) bool: the kept set at every sampled position, read from generate's processed
     scores (C tensors (N, V); a token the warpers dropped scores -inf); every token past a row's
     end (mask 0: padding, never trained on), so no position is left with an empty set."""
-    keep = torch.isfinite(torch.stack(scores[:mask.shape[1]], dim=1))                # (N, C, V)
+    keep = torch.stack([torch.isfinite(s) for s in scores[:mask.shape[1]]], dim=1)   # (N, C, V), 1 byte each
     return keep | ~mask.bool().unsqueeze(-1)

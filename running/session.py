@@ -443,11 +443,13 @@ def evaluate(models, task, prompts: list, sampling, samples: int, gamma: float) 
 
 
 def sample_seeded(models, task, prompts: list, sampling, samples: int, seed: int):
-    """task.sample of `samples` rollouts per prompt under a fixed seed; the training RNG untouched."""
+    """task.sample of `samples` rollouts per prompt under a fixed seed; the training RNG untouched;
+    no kept sets recorded (--mask-replay: nothing here is scored for training)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return task.sample(models, prompts, samples, sampling, record_old_logp=False)
+        return task.sample(models, prompts, samples, dataclasses.replace(sampling, mask_replay=False),
+                           record_old_logp=False)
 
 
 @torch.no_grad()
