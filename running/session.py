@@ -448,7 +448,7 @@ def sample_seeded(models, task, prompts: list, sampling, samples: int, seed: int
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return task.sample(models, prompts, samples, dataclasses.replace(sampling, mask_replay=False),
+        return task.sample(models, prompts, samples, sampling and dataclasses.replace(sampling, mask_replay=False),
                            record_old_logp=False)
 
 
