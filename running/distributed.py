@@ -94,12 +94,14 @@ def first_reason(reason: str | None) -> str | None:
 
 @contextlib.contextmanager
 def main_first():
-    """Rank 0 runs the block first (it fills the caches); the others wait, then find them full."""
+    """Rank 0 runs the block first (filling the caches), then releases the others, failed or not."""
     if active() and not is_main():
         dist.barrier()
-    yield
-    if active() and is_main():
-        dist.barrier()
+    try:
+        yield
+    finally:
+        if active() and is_main():
+            dist.barrier()
 
 
 # ---- the split ----

@@ -40,10 +40,8 @@ def say(line: str) -> None:
 
 def progress(cfg, task, row: dict, last_eval: dict) -> None:
     """On a terminal, one line rewritten in place; in a log, one line per evaluation."""
-    if cfg.quiet:
-        return
     end = "\n" if (row["step"] % cfg.eval_every == 0 or row["step"] == cfg.steps) else "\r"
-    if end == "\n" or sys.stderr.isatty():
+    if not cfg.quiet and (end == "\n" or sys.stderr.isatty()):
         f = lambda x: "nan" if x is None else f"{x:.2f}"
         key, second = task.HEADLINE
         print(f"step {row['step']:4d}/{cfg.steps}  reward {f(row['reward_mean'])}  {second} {f(row[second])}  "
