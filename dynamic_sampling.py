@@ -24,7 +24,7 @@ train.rl_step's guard sees it, counts it and skips the update.
 Under global norm a homogeneous group's advantages are not 0 (the batch mean is subtracted),
 so there the filter throws signal away; the flag allows it, and says so here. PPO (its critic
 gives every token a baseline) and RCE (equal rewards: plain imitation) are refused, and so is
-torchrun (ranks would sample different numbers of rounds): running/config.py.
+torchrun (ranks would sample different numbers of rounds): `problems` below.
 """
 import os
 import time

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 # transformers' model classes are imported where a model is built: importing them costs seconds
 # (more on a busy machine), which `train.py --help` and a mistyped flag need not pay
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import logprobs
 import rollout
@@ -378,7 +378,7 @@ def load(cfg, task, device: str, log, init: dict | None = None):
     transformers.utils.logging.disable_progress_bar()
     default = WARM_START["real" if cfg.model else "tiny"]
     warm = WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
-                            default.batch, 0, cfg.sft_difficulty, default.micro_batch)
+                     default.batch, 0, cfg.sft_difficulty, default.micro_batch)
     if cfg.model:
         folder = pretrained.resolve(cfg.model, pretrained.default_cache(), log)
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16
@@ -400,6 +400,7 @@ def load(cfg, task, device: str, log, init: dict | None = None):
 
 def read_weights(ckpt: Path, model) -> dict:
     """The checkpoint's weights as model's float32 state dict; ValueError if another model's."""
+    from transformers import AutoModelForCausalLM          # here, not at the top: --help need not import it
     weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
     if set(weights) != set(model.state_dict()):
         raise ValueError("its weights do not match the model")
