@@ -1,11 +1,18 @@
-"""Report 002's stability monitor: three alarms on the curves a run already logs.
+"""Report 002's stability monitor: three alarms on the curves a run already logs; report 001's
+collapse count beside its null; and --rollback, which undoes a collapse once it is seen.
 
-    entropy_low    token-mean policy entropy < 0.5       (premature convergence)
-    kl_high        KL to the reference > 0.5             (the policy ran away from it)
-    reward_swing   max - min of the mean reward over the last 10 steps > 0.3   (oscillation)
+    entropy_low    token-mean policy entropy below a floor      (premature convergence)
+    kl_high        KL to the reference above a ceiling          (the policy ran away from it)
+    reward_swing   max - min of the mean reward over the last 10 steps above a ceiling   (oscillation)
 
-The thresholds are report 002's, written for LLMs with vocabularies of ~150k tokens; each
-is a default of StabilityMonitor; the entropy one is also the field alert_entropy.
+Report 002's thresholds (REPORT_002: entropy 0.5, KL 0.5, swing 0.3) fire on every healthy run
+the lab has kept: entropy_low on 220 of 220 toy runs and 18 of 18 SmolLM2 runs, reward_swing on
+213 of 220 and 18 of 18 (`python -m lab detectors`, docs/lessons/14-seeing-a-collapse-coming.md).
+An alarm that fires on healthy runs warns of nothing, so StabilityMonitor's defaults are the
+bench's: the round values at which each fires on at most 10% of the healthy runs of both models
+(entropy < 0.005: 0 of 220 and 0 of 18; KL > 2.5: 4 of 57 toy runs with a reference; swing > 2:
+4 of 220 and 1 of 18). At those thresholds they warned none of the collapsed runs in time: the
+bench found no signal that does at that false-alarm rate. The entropy one is the field alert_entropy.
 An alert is *active* on every step its condition holds (metrics.jsonl lists the active ones
 under `alerts`), and is printed once when an episode of it starts, not on every step.
 A quantity that was not measured on a step (no update, no reference model) neither starts
@@ -19,12 +26,19 @@ from dataclasses import dataclass, field
 @dataclass
 class Knobs:
     """Report 002's monitor: alerts on entropy, KL and reward swings, and the collapse count."""
-    alert_entropy: float = field(default=0.5, metadata={"help": "alert when the token-mean entropy falls below "
-                                                        "this (report 002)", "min": 0, "flag": False})
-    # a field, not a flag: report 002's thresholds fire on healthy runs too (the lab's `monitor`), so
-    # stopping on them would stop healthy runs
+    alert_entropy: float = field(default=0.005, metadata={"help": "alert when the token-mean entropy falls below "
+                                                          "this (report 002 said 0.5)", "min": 0, "flag": False})
+    # a field, not a flag: no threshold quiet on healthy runs warned of a collapse (the lab's
+    # `detectors`); --rollback acts on what the evaluation sees instead
     stop_on_alert: bool = field(default=False, metadata={"help": "stop the run (with a checkpoint) at the "
                                                          "monitor's first alert", "flag": False})
+    rollback: int = field(default=0, metadata={"help": "when an evaluation finds one answer or a step is non-finite, "
+                                               "go back to the best checkpoint, the lr cut; at most N times (0 = off)",
+                                               "min": 0, "max": 100})
+    rollback_at: float = field(default=0.9, metadata={"help": "--rollback: the held-out one-answer share that is a "
+                                                      "collapse (the lab's)", "min": 0, "max": 1, "flag": False})
+    rollback_lr_cut: float = field(default=0.5, metadata={"help": "--rollback: the lr's factor at each rollback",
+                                                          "min": 0, "max": 1, "flag": False})
 
 
 
@@ -117,8 +131,11 @@ class CollapseCount:
         self.recent.extend(state["recent"])
 
 
+REPORT_002 = {"min_entropy": 0.5, "max_kl": 0.5, "max_reward_range": 0.3}    # the report's thresholds
+
+
 class StabilityMonitor:
-    def __init__(self, min_entropy=0.5, max_kl=0.5, max_reward_range=0.3, window=10):
+    def __init__(self, min_entropy=0.005, max_kl=2.5, max_reward_range=2.0, window=10):
         self.min_entropy, self.max_kl = min_entropy, max_kl
         self.max_reward_range, self.window = max_reward_range, window
         self.rewards = deque(maxlen=window)
@@ -155,6 +172,67 @@ class StabilityMonitor:
         self.rewards = deque(state["rewards"], maxlen=self.window)
         self.active = set(state["active"])
         self.episodes = dict(state["episodes"])
+
+
+def replay(rows: list, thresholds: dict = REPORT_002) -> list:
+    """The alerts active on each of a run's metrics.jsonl rows after step 0 under these thresholds
+    (default: report 002's), as the run would have logged them: the lab reads report 002's alarms
+    on runs logged under other defaults."""
+    monitor = StabilityMonitor(**thresholds)
+    return [monitor.update(r.get("reward_mean"), r.get("entropy"), r.get("kl"))[0] for r in rows]
+
+
+# ---- --rollback: undo a collapse once it is seen ----
+#
+# The detector bench (`python -m lab detectors`) found no signal the runs log that warns of a
+# collapse before the held-out evaluation sees it, at a usable false-alarm rate. What can be done
+# is to undo it: when an evaluation finds one answer for nearly every prompt (the lab's collapse)
+# or a step is non-finite, go back to the checkpoint of the best evaluation so far (model,
+# optimizer, the controllers that shape training, the prompts' sampler) and go on with the lr cut.
+# The step count goes on (the steps spent are spent), and so do the run's own statistics (report
+# 001's count, the monitor's episodes): a rollback undoes the policy, not the record.
+
+class Rollbacks:
+    """--rollback N: the rollbacks taken (each: the step, why, the step gone back to, the lr's scale
+    after it), and what a rollback restores and rescales. fmt: the task's on-format rate (FORMAT_KEY)."""
+    RESTORED = ("kl_control", "entropy_control", "value_head", "rollout_policy")   # the controllers that shape training
+
+    def __init__(self, most: int, at: float, cut: float, fmt: str):
+        self.most, self.at, self.cut, self.fmt, self.taken = most, at, cut, f"eval_{fmt}", []
+
+    def why(self, row: dict, stats: dict, best: dict | None) -> str | None:
+        """Why this step rolls back, or None: a non-finite step; an evaluation on one answer (the lab's
+        collapse); or one whose on-format rate is half the best evaluation's or less (report 001's
+        crash, read on the held-out prompts: the run has left the format for junk)."""
+        if stats.get("nonfinite"):
+            return f"non-finite {' and '.join(stats['nonfinite'])}"
+        one, fmt, top = row.get("eval_one_answer"), row.get(self.fmt), (best or {}).get(self.fmt)
+        if one is not None and one >= self.at:
+            return f"the held-out one-answer share is {one:.2f} (>= {self.at})"
+        if fmt is not None and top and fmt <= top / 2:
+            return f"the held-out {self.fmt[5:]} is {fmt:.2f}, at most half the best evaluation's {top:.2f}"
+        return None
+
+    def cannot(self, why: str | None, best: str | None) -> str | None:
+        """Why a step that should roll back cannot (said once), or None."""
+        if why and len(self.taken) >= self.most:
+            return f"{why}; no rollback left (--rollback {self.most})"
+        return f"{why}; no checkpoint to go back to yet" if why and not best else None
+
+    def take(self, step: int, why: str, to: int, optimizer) -> dict:
+        """Record one rollback and cut every param group's lr: its lr_scale (schedules' lr times it, in
+        train.step_hyper_params) carries the cut, whatever scale the restored optimizer held."""
+        self.taken.append({"step": step, "why": why, "to": to, "lr_scale": self.cut ** (len(self.taken) + 1)})
+        for group in optimizer.param_groups:
+            group["lr_scale"] = group.get("lr_scale", 1.0) / group.get("rollback_scale", 1.0) * self.taken[-1]["lr_scale"]
+            group["rollback_scale"] = self.taken[-1]["lr_scale"]
+        return self.taken[-1]
+
+    def state_dict(self) -> dict:
+        return {"taken": list(self.taken)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.taken = list(state["taken"])
 
 
 if __name__ == "__main__":

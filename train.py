@@ -22,9 +22,8 @@ so it is the plain policy gradient with a baseline (grpo.py says what each one c
 logprobs.py) and scores them (rewards.py); the algorithm's `prepare` makes advantages (grpo.py,
 advantages.py; ppo.py: a critic and GAE; rce.py: reward weights); update.py differentiates its
 `loss`. The loop sets each step's lr, entropy bonus and beta (step_hyper_params) and moves the
-controllers (`steer`); running/session.py opens the run and, after each step, evaluates, logs
-and checkpoints (`end_step`). The run's folder (--out, docs/metrics.md) holds config.json,
-metrics.jsonl, samples.jsonl, summary.json, curves.png and, with --save-every, checkpoints/.
+controllers (`steer`); running/session.py opens the run and, after each step, evaluates, logs,
+rolls back (--rollback) and checkpoints (`end_step`); docs/metrics.md describes the run's folder.
 """
 import copy
 import dataclasses
@@ -60,10 +59,9 @@ loading.loaded()
 # ---- built once, before the first step (running/session.py calls it) ----
 
 def build(cfg: Config, task, device: str, log, init: dict | None) -> dict:
-    """What RL starts from: the policy, PPO's critic (ppo.py), the reference and the
-    optimizer, and the controllers the loop moves (steer): beta's (kl.py), adaptive entropy's
-    (entropy_control.py; None: the schedule), the monitor's alerts and report 001's collapse
-    count (monitor.py). init: --init-from's checkpoint, pinned (running/session.py)."""
+    """What RL starts from: the policy, PPO's critic (ppo.py), the reference, the optimizer and the
+    controllers: beta's (kl.py), adaptive entropy's (entropy_control.py; None: the schedule), the
+    monitor's, report 001's count and --rollback's (monitor.py). init: --init-from's, pinned."""
     model, tok = policy.load(cfg, task, device, log, init)       # the warm-started policy
     critic = None if cfg.algo != "ppo" else ppo.Critic(model) if cfg.critic == "separate" else \
         ppo.ValueHead(model.config.hidden_size).to(device)
@@ -73,7 +71,9 @@ def build(cfg: Config, task, device: str, log, init: dict | None) -> dict:
     return dict(model=model, tok=tok, critic=critic, ref=ref, optimizer=optimizer,
                 kl_control=kl.KLController(cfg.beta, rule),
                 entropy_control=adaptive if cfg.entropy_target > 0 else None,
-                stability=monitor.StabilityMonitor(cfg.alert_entropy), collapse=monitor.CollapseCount(cfg.n))
+                stability=monitor.StabilityMonitor(cfg.alert_entropy), collapse=monitor.CollapseCount(cfg.n),
+                rollbacks=monitor.Rollbacks(cfg.rollback, cfg.rollback_at, cfg.rollback_lr_cut, task.FORMAT_KEY)
+                if cfg.rollback else None)
 
 
 def reference_and_optimizer(cfg: Config, model, critic) -> tuple:

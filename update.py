@@ -59,6 +59,13 @@ def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
     if cfg.mini_batch and cfg.n % cfg.mini_batch:
         yield "mini-batch", f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}"
+    ranks = world_size()                         # torchrun's processes; 1 for python train.py
+    if cfg.mini_batch % ranks:
+        yield "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}"
+    mini = (cfg.mini_batch or cfg.n) // ranks
+    if cfg.micro_batch and mini % cfg.micro_batch:
+        yield "micro-batch", (f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) "
+                              f"(or be 0), got {cfg.micro_batch}")
 
 
 @dataclass

@@ -24,9 +24,9 @@ import math
 import statistics
 from pathlib import Path
 
-from lab import stats
+from lab import collapse, compare, stats
 from lab.collapse import BEST, ONE_ANSWER, VALID
-from lab.common import Lab
+from lab.common import Lab, mean
 from lab.real import COLLAPSED
 from running import report
 
@@ -300,3 +300,42 @@ def detectors(lab: Lab) -> dict:
                 verdict=f"reproduced for {'; '.join(found)}" if found else
                 "not reproduced: no signal warned early at <= 10% false alarms" if decidable else
                 "inconclusive: too few collapsed or healthy runs in the held-out half")
+
+
+# ---- undoing it: --rollback against doing nothing ----
+
+ROLLBACK = "--k 8 --batch 8 --norm global --steps 60 --eval-every 5 --lr 0.01"   # grad_clip_regime's AdamW lr
+
+
+def failed(run: dict) -> bool:
+    """The run ends collapsed (lab/collapse.py's rule) or off the format (held-out valid < 0.5)."""
+    return collapse.collapsed(run) or run["ended_off_format"]
+
+
+def rollback(lab: Lab) -> dict:
+    """--rollback 3 against none where AdamW's lr ruins the toy (grad_clip_regime's lr 0.01), 20 seeds each."""
+    r = lab.sweep("rollback", ["--rollback 0", "--rollback 3"], ROLLBACK, ("eval_best_rate", "eval_valid_rate"),
+                  seeds=collapse.SEEDS)
+    none, back = r.values()
+    n_none, n_back = sum(map(failed, none)), sum(map(failed, back))
+    p = stats.fisher(n_none, len(none), n_back, len(back))
+    best = [x["eval_best_rate_end"] for x in back], [x["eval_best_rate_end"] for x in none]
+    taken = [len(x.get("rollbacks", [])) for x in back]
+    seen = stats.smallest_count(len(back), len(none))
+    # rule (written before the first run): the rollback helps when fewer of its runs fail (end collapsed by
+    # lab/collapse.py's rule, or off the format: held-out valid < 0.5) than of the runs without it, Fisher's
+    # one-sided p < 0.05: reproduced. Not reproduced when its runs fail at least as often; inconclusive
+    # otherwise. The held-out best at the end (one-sided permutation test) and the rollbacks taken are
+    # reported beside it, not part of the rule.
+    return dict(report="the field (a checkpoint to go back to, the lr cut)", figure="rollback/compare.png",
+                claim="going back to the best checkpoint with the lr halved, when an evaluation finds one answer "
+                      "or junk, keeps a run from ending collapsed or off the format",
+                measured=f"lr 0.01, 60 steps, seeds {collapse.SEEDS.start}-{collapse.SEEDS.stop - 1}: failed without "
+                         f"{n_none}/{len(none)}, with --rollback 3 {n_back}/{len(back)} (Fisher one-sided p = {p:.2g}; "
+                         f"against all failing, {len(back)} seeds see {seen}/{len(back)} kept off failure or more); "
+                         f"held-out best at the end {compare.spread(best[1])} without, {compare.spread(best[0])} with "
+                         f"(permutation p = {stats.permutation(*best):.2g}); rollbacks a run {compare.spread(taken)}; "
+                         f"seconds a run {mean(x['seconds'] for x in none):.0f} without, "
+                         f"{mean(x['seconds'] for x in back):.0f} with",
+                verdict="reproduced" if p < stats.ALPHA else
+                "not reproduced: its runs failed as often" if n_back >= n_none else "inconclusive")

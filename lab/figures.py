@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import advantages as adv
+import monitor
 
 # The reward mix of report 001's starting point: 42.8% off-format (0), 57.2% valid DSL,
 # of which a minority is the best workflow. The split of the valid share into 0.2 and 1.0
@@ -145,8 +146,9 @@ def plot_monitor(path: Path, rows: list, title: str) -> Path:
         ys = [r.get(key) for r in rows]
         if any(y is not None for y in ys):
             ax.plot(steps, [y if y is not None else float("nan") for y in ys], style, label=key)
+    alerts = monitor.replay(rows)              # report 002's thresholds, whatever the run logged
     for i, name in enumerate(["entropy_low", "kl_high", "reward_swing"]):
-        on = [s for s, r in zip(steps, rows) if name in (r.get("alerts") or [])]
+        on = [s for s, a in zip(steps, alerts) if name in a]
         ax.plot(on, [-0.05 - 0.05 * i] * len(on), "|", color=f"C{i + 5}", ms=8, label=f"alert {name}")
     ax.set(xlabel="step", title=f"stability monitor (report 002 thresholds) on {title}")
     ax.legend(fontsize=7, ncol=2)

@@ -2,7 +2,7 @@
 
     python -m lab                        # all twenty-two experiments, 6 seeds per setting (20 for the
                                          # collapse experiments; docs/lab-notebook.md: its time), then
-                                         # the detector bench over their kept runs
+                                         # the detector bench over their kept runs and rollback against none
     python -m lab group_norm tools       # some of them
     python -m lab --quick                # all twenty-two, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
@@ -35,7 +35,7 @@ from lab.probe001 import probe_001
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime, monitor_warning
 from lab.report003 import kl_range, kl_regime, rce_grpo
 from lab import real, real_collapse, stats
-from lab.detectors import detectors
+from lab.detectors import detectors, rollback
 from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch, trust_regions_stale
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
@@ -47,7 +47,8 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "monitor": monitor_warning,
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
                "entropy_collapse_epochs": entropy_collapse_epochs, "mismatch": mismatch,
-               "trust_regions_stale": trust_regions_stale, "detectors": detectors}
+               "trust_regions_stale": trust_regions_stale, "detectors": detectors,
+               "rollback": rollback}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
 NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 

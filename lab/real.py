@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+import monitor
 from lab import compare, stats
 from lab.common import mean
 from running import config, report
@@ -488,8 +489,9 @@ def real_monitor(lab: RealLab, log=print) -> dict:
     leads, false_alarms, quiet, first = [], 0, 0, []
     for run in runs:
         rows = report.read_metrics(Path(run["out"]))
-        alerted = [row["step"] for row in rows if row.get("alerts")]
-        first += [(alerted[0], tuple(next(row["alerts"] for row in rows if row.get("alerts"))))] if alerted else []
+        alerts = monitor.replay(rows)          # report 002's thresholds, whatever the run logged
+        alerted = [row["step"] for row, a in zip(rows, alerts) if a]
+        first += [(alerted[0], tuple(next(a for a in alerts if a)))] if alerted else []
         at = collapse_step(run)
         if at is None:
             false_alarms += bool(alerted)

@@ -9,6 +9,7 @@ import torch
 import advantages
 import grpo
 import logprobs
+import monitor
 import update
 from lab import figures
 from models import policy
@@ -227,11 +228,11 @@ def monitor_warning(lab: Lab) -> dict:
         if not below[-1]:
             continue
         collapse = next(i for i in range(len(rows)) if all(below[i:]))
-        alerted = [i for i, x in enumerate(rows) if x["alerts"]]
+        alerted = [i for i, a in enumerate(monitor.replay(rows)) if a]       # report 002's thresholds
         first = alerted[0] if alerted else None
         warnings.append(collapse - first if first is not None and first <= collapse else None)
         plotted = plotted or run
-    false_alarm = mean(sum(1 for x in metric_rows(run)[1:] if x["alerts"]) / max(1, len(metric_rows(run)) - 1)
+    false_alarm = mean(sum(map(bool, monitor.replay(metric_rows(run)[1:]))) / max(1, len(metric_rows(run)) - 1)
                        for run in healthy)
     if plotted:
         figures.plot_monitor(lab.dir("monitor") / "monitor.png", metric_rows(plotted), "a collapsing K=2 run (lr 7e-3)")

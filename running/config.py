@@ -228,8 +228,8 @@ def parse_config(argv=None) -> Config:
         fail(str(e))
 
 
-# flags that change how a run is carried out, not what it computes
-NOT_IN_RESULTS = ("quiet", "overwrite", "threads", "cache_dir")
+# flags that change how a run is carried out, not what it computes (alert_entropy: which alerts it logs)
+NOT_IN_RESULTS = ("quiet", "overwrite", "threads", "cache_dir", "alert_entropy")
 RESUME_MAY_CHANGE = ("steps", "resume", *NOT_IN_RESULTS)
 
 
@@ -331,11 +331,6 @@ def run_problems(cfg):
          f"(torchrun's processes); give a multiple of {ranks}")
     need(not cfg.tensorboard or has_tensorboard(), "tensorboard",
          "needs the tensorboard package, an optional dependency: pip install tensorboard==2.21.0")
-    need(cfg.mini_batch % ranks == 0, "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}")
-    mini = (cfg.mini_batch or cfg.n) // ranks
-    need(cfg.micro_batch == 0 or mini % cfg.micro_batch == 0, "micro-batch",
-         f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) (or be 0), "
-         f"got {cfg.micro_batch}")
     top = tasks.TASKS[cfg.task].MAX_DIFFICULTY
     need(1 <= cfg.difficulty <= top, "difficulty", f"must be in [1, {top}] for --task {cfg.task}, got "
          f"{cfg.difficulty}" if top > 1 else f"--task {cfg.task} has one difficulty (1), got {cfg.difficulty}")

@@ -65,6 +65,7 @@ def finish(task, out: Path, state, monitors: tuple, log) -> dict:
     summary.update({f"{key}_end": v for key, v in last.items()})      # every held-out rate at the end ...
     summary.update({f"{key}_best": v for key, v in (state.best_eval or {}).items()})   # ... and at the best
     rows = read_metrics(out)
+    taken = [r["rollback"] for r in rows if "rollback" in r]         # --rollback's (monitor.Rollbacks)
     negative = [r["frac_adv_negative"] for r in rows if "frac_adv_negative" in r]
     # PPO's explained variance swings wildly as Var(G) -> 0: the median of the last 10 steps
     ev = [r["explained_variance"] for r in rows
@@ -73,7 +74,8 @@ def finish(task, out: Path, state, monitors: tuple, log) -> dict:
                    frac_adv_negative_mean=sum(negative) / len(negative) if negative else None,
                    eval_value_rmse_end=last.get("eval_value_rmse"),
                    explained_variance_end=statistics.median(ev) if ev else None,
-                   seconds=round(state.seconds, 1), peak_memory_mb=round(peak_memory_mb()), out=str(out))
+                   seconds=round(state.seconds, 1), peak_memory_mb=round(peak_memory_mb()), out=str(out),
+                   **({"rollbacks": taken} if taken else {}))
     if updates == 0 and state.skipped:            # every update non-finite: a run that learned nothing
         summary["nothing_learned"] = True
     summary, _ = checkpoint.finite_json(summary)

@@ -223,6 +223,7 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
     controllers = {name: c for name, c in (("monitor", built["stability"]), ("collapse", built["collapse"]),
                                            ("kl_control", built["kl_control"]),
                                            ("entropy_control", built["entropy_control"]), ("value_head", value_head),
+                                           ("rollbacks", built["rollbacks"]),
                                            ("rollout_policy", learner.rollout_policy)) if c is not None}
     if cfg.resume:
         state = resume(cfg, out, model, optimizer, rng, controllers, log)
@@ -256,7 +257,7 @@ def start(cfg: Config, out: Path, build: Callable) -> Run:
         held_out(run, row := {"step": 0})            # before any update: evaluation only
         state.first_eval = state.last_eval
         run.metrics.write(row)
-        if keep_best(run, row) and cfg.early_stop_patience:
+        if keep_best(run, row) and (cfg.early_stop_patience or cfg.rollback):
             save_best(run)                           # the warm start is the first best
         log("step 0: held-out " + ", ".join(f"{key} {state.first_eval['eval_' + key]:.2f}"
                                             for key in task.HEADLINE))
@@ -323,9 +324,11 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     # a stopped run is evaluated where it stops, so its eval_*_end are its own
     due = (step % cfg.eval_every == 0 or step == cfg.steps or state.stopped) and batch is not None
     best = False
+    rollbacks = run.controllers.get("rollbacks")
     if due and main:
-        held_out(run, row)
-        best = keep_best(run, row)
+        held_out(run, row)               # under --rollback, a collapsed evaluation is never the best
+        best = not (rollbacks and rollbacks.why(row, {}, state.best_eval)) and keep_best(run, row)
+    rolled = rollbacks is not None and roll_back(run, row, stats)
     patience = cfg.early_stop_patience
     early = due and bool(patience) and main and state.evals_since_best >= patience
     if due and patience:                   # rank 0 evaluated: every rank stops with it
@@ -347,11 +350,11 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
         run.warn(f"step {step}: {state.stopped}")
     if main:
         report.progress(cfg, task, row, state.last_eval)
-    if best and patience:                  # main only: early stopping keeps the best's weights
+    if best and (patience or rollbacks):   # main only: early stopping and --rollback keep the best's weights
         save_best(run)
     # a log the disk cut short: no checkpoint of this step (its line is lost), the last good one stays;
     # with none (--save-every 0), this step's is written (the reserve's room): one line lost, not the run
-    if (state.stopped or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal and \
+    if (state.stopped or rolled or (cfg.save_every and step % cfg.save_every == 0)) and main and not signal and \
             not (full and checkpoint.find(run.out)):
         path = save(run)
     if state.stopped:
@@ -382,6 +385,26 @@ def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
     if cfg.stop_on_alert and started:
         return f"monitor alert {', '.join(started)} (--stop-on-alert)"
     return f"interrupted by {signal}" if signal else None
+
+
+def roll_back(run: Run, row: dict, stats: dict) -> bool:
+    """--rollback (monitor.Rollbacks), on every rank at rank 0's word (it alone evaluated): the best
+    checkpoint's weights, optimizer, controllers and prompt sampler back, the lr cut. True if taken."""
+    rollbacks = run.controllers["rollbacks"]
+    why, best = distributed.gather((rollbacks.why(row, stats, run.state.best_eval), run.state.best_checkpoint))[0]
+    said = rollbacks.cannot(why, best)
+    if said and said not in run.said:
+        run.said.add(said)
+        run.log(f"step {row['step']}: {said}")
+    if said or not why:
+        return False
+    saved = checkpoint.restore(run.out / best, run.learner.models.model, run.learner.optimizer, run.rng)
+    for name in set(rollbacks.RESTORED) & set(run.controllers):
+        run.controllers[name].load_state_dict(saved["controllers"][name])
+    row["rollback"] = rollbacks.take(row["step"], why, saved["step"], run.learner.optimizer)
+    run.log(f"step {row['step']}: rollback {len(rollbacks.taken)} of {rollbacks.most}: {why}; back to step "
+            f"{saved['step']}'s checkpoint, lr x{row['rollback']['lr_scale']:g}")
+    return True
 
 
 def held_out(run: Run, row: dict) -> None:

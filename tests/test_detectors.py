@@ -5,6 +5,8 @@ import json
 import math
 import random
 
+import pytest
+
 from lab import detectors, stats
 from lab.common import Lab
 
@@ -66,6 +68,7 @@ def test_threshold_is_the_smallest_with_few_false_alarms_against_brute_force():
     assert got == naive and 0 < false_alarms(math.nextafter(got, -math.inf)) - false_alarms(got)
 
 
+@pytest.mark.lesson
 def test_a_signal_that_leads_warns_and_one_that_does_not_is_refused():
     # 12 collapsing runs whose grad norm spikes at step 15, onset at step 40 (last healthy 30);
     # 12 healthy runs without a spike; each half gets six of each
@@ -119,3 +122,39 @@ def test_bench_reads_kept_runs_and_records_its_verdict(tmp_path):
     # four runs a half cannot decide anything at alpha 0.05: inconclusive, not "not reproduced"
     few = [r for r in detectors.read_runs(tmp_path, real=False) if r["path"].name in ("s0", "s1", "s8", "s9")]
     assert not detectors.could_decide(few)
+
+
+def test_rollbacks_verdict_is_its_fisher_test(tmp_path, monkeypatch):
+    def run(fails, rollbacks=0):
+        return dict(eval_one_answer_end=0.1, eval_valid_rate_end=0.2 if fails else 0.95,
+                    eval_best_rate_end=0.0 if fails else 0.9, ended_off_format=fails, seconds=10.0,
+                    **({"rollbacks": [{}] * rollbacks} if rollbacks else {}))
+    lab = Lab(tmp_path, quick=False)
+    none = [run(True) for _ in range(20)]
+    for back, verdict in (([run(i < 8, 2) for i in range(20)], "reproduced"),               # 8/20 against 20/20
+                          ([run(i < 18, 3) for i in range(20)], "inconclusive"),            # 18/20: p = 0.24
+                          ([run(True, 3) for _ in range(20)], "not reproduced: its runs failed as often")):
+        monkeypatch.setattr(lab, "sweep", lambda *a, **k: {"--rollback 0": none, "--rollback 3": back})
+        entry = detectors.rollback(lab)
+        failing = sum(detectors.failed(r) for r in back)
+        assert entry["verdict"] == verdict
+        assert f"with --rollback 3 {failing}/20 (Fisher one-sided p = {stats.fisher(20, 20, failing, 20):.2g}" \
+            in entry["measured"]
+    assert stats.fisher(20, 20, 8, 20) < 0.05 < stats.fisher(20, 20, 18, 20)
+
+
+def test_replaying_report_002s_thresholds_gives_the_alerts_the_runs_logged():
+    """Every committed run logged its alerts under report 002's thresholds (the monitor's defaults
+    then); monitor.replay recomputes them from the logged curves, so the lab reads report 002's
+    alarms whatever the defaults are now."""
+    from pathlib import Path
+    import monitor
+    from running import report
+    results = Path(__file__).resolve().parent.parent / "results"
+    runs = [results / "trust_regions_stale" / "runs" / "k_8_norm_global_rollout-stale_4_rollout-correction_bypass" / "s100",
+            results / "kl_regime" / "baseline" / "runs" / "k_8_norm_global_steps_150_save-every_150" / "s0",
+            results / "smollm2-135m" / "real_group_size" / "runs" / "K=8,_B=3" / "s0"]
+    for run in runs:
+        rows = report.read_metrics(run)[1:]
+        assert monitor.replay(rows) == [r["alerts"] for r in rows], run
+        assert any(r["alerts"] for r in rows)
