@@ -150,3 +150,12 @@ def test_a_rollback_restores_what_shapes_training(tmp_path, monkeypatch, extra):
     a, b = weights(out / "checkpoints" / "step-000006"), weights(out / "checkpoints" / f"step-{to:06d}")
     assert all(torch.equal(a[k], b[k]) for k in b)
     assert back["controllers"]["rollbacks"]["taken"] == [rows[6]["rollback"]]
+
+
+def test_a_rollback_it_cannot_take_is_said():
+    rollbacks = monitor.Rollbacks(most=1, at=0.9, cut=0.5, fmt="valid_rate")
+    assert rollbacks.cannot(None, "checkpoints/step-000000") is None
+    assert rollbacks.cannot("junk", None) == "junk; no checkpoint to go back to yet"
+    assert rollbacks.cannot("junk", "checkpoints/step-000000") is None
+    rollbacks.taken.append({})
+    assert rollbacks.cannot("junk", "checkpoints/step-000000") == "junk; no rollback left (--rollback 1)"
