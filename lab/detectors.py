@@ -312,9 +312,10 @@ def failed(run: dict) -> bool:
     return collapse.collapsed(run) or run["ended_off_format"]
 
 
-def rollback(lab: Lab) -> dict:
-    """--rollback 3 against none where AdamW's lr ruins the toy (grad_clip_regime's lr 0.01), 20 seeds each."""
-    r = lab.sweep("rollback", ["--rollback 0", "--rollback 3"], ROLLBACK, ("eval_best_rate", "eval_valid_rate"),
+def against_none(lab: Lab, name: str, common: str, setting: str) -> tuple:
+    """--rollback 3 against none on `common`, 20 seeds an arm: (what was measured, Fisher's one-sided
+    p of fewer failures with the rollback, the failures without and with)."""
+    r = lab.sweep(name, ["--rollback 0", "--rollback 3"], common, ("eval_best_rate", "eval_valid_rate"),
                   seeds=collapse.SEEDS)
     none, back = r.values()
     n_none, n_back = sum(map(failed, none)), sum(map(failed, back))
@@ -322,20 +323,47 @@ def rollback(lab: Lab) -> dict:
     best = [x["eval_best_rate_end"] for x in back], [x["eval_best_rate_end"] for x in none]
     taken = [len(x.get("rollbacks", [])) for x in back]
     seen = stats.smallest_count(len(back), len(none))
+    measured = (f"{setting}, seeds {collapse.SEEDS.start}-{collapse.SEEDS.stop - 1}: failed without "
+                f"{n_none}/{len(none)}, with --rollback 3 {n_back}/{len(back)} (Fisher one-sided p = {p:.2g}; "
+                f"against all failing, {len(back)} seeds see {seen}/{len(back)} kept off failure or more); "
+                f"held-out best at the end {compare.spread(best[1])} without, {compare.spread(best[0])} with "
+                f"(permutation p = {stats.permutation(*best):.2g}); rollbacks a run {compare.spread(taken)}; "
+                f"seconds a run {mean(x['seconds'] for x in none):.0f} without, "
+                f"{mean(x['seconds'] for x in back):.0f} with")
+    return measured, p, n_none, n_back
+
+
+def verdict(p: float, n_none: int, n_back: int) -> str:
+    return "reproduced" if p < stats.ALPHA else \
+        "not reproduced: its runs failed as often" if n_back >= n_none else "inconclusive"
+
+
+CLAIM = ("going back to the best checkpoint with the lr halved, when an evaluation finds one answer or junk, "
+         "keeps a run from ending collapsed or off the format")
+
+
+def rollback(lab: Lab) -> dict:
+    """--rollback 3 against none where AdamW's lr ruins the toy (grad_clip_regime's lr 0.01), 20 seeds each."""
+    measured, p, n_none, n_back = against_none(lab, "rollback", ROLLBACK, "lr 0.01, 60 steps")
     # rule (written before the first run): the rollback helps when fewer of its runs fail (end collapsed by
     # lab/collapse.py's rule, or off the format: held-out valid < 0.5) than of the runs without it, Fisher's
     # one-sided p < 0.05: reproduced. Not reproduced when its runs fail at least as often; inconclusive
     # otherwise. The held-out best at the end (one-sided permutation test) and the rollbacks taken are
     # reported beside it, not part of the rule.
     return dict(report="the field (a checkpoint to go back to, the lr cut)", figure="rollback/compare.png",
-                claim="going back to the best checkpoint with the lr halved, when an evaluation finds one answer "
-                      "or junk, keeps a run from ending collapsed or off the format",
-                measured=f"lr 0.01, 60 steps, seeds {collapse.SEEDS.start}-{collapse.SEEDS.stop - 1}: failed without "
-                         f"{n_none}/{len(none)}, with --rollback 3 {n_back}/{len(back)} (Fisher one-sided p = {p:.2g}; "
-                         f"against all failing, {len(back)} seeds see {seen}/{len(back)} kept off failure or more); "
-                         f"held-out best at the end {compare.spread(best[1])} without, {compare.spread(best[0])} with "
-                         f"(permutation p = {stats.permutation(*best):.2g}); rollbacks a run {compare.spread(taken)}; "
-                         f"seconds a run {mean(x['seconds'] for x in none):.0f} without, "
-                         f"{mean(x['seconds'] for x in back):.0f} with",
-                verdict="reproduced" if p < stats.ALPHA else
-                "not reproduced: its runs failed as often" if n_back >= n_none else "inconclusive")
+                claim=CLAIM, measured=measured, verdict=verdict(p, n_none, n_back))
+
+
+STALE_SAMPLER = "--k 8 --norm global --steps 150 --rollout-stale 4"      # mismatch's "4 updates stale" arm
+
+
+def rollback_stale(lab: Lab) -> dict:
+    """--rollback 3 against none where a sampler 4 updates stale ruins the toy (mismatch's arm), 20 seeds each."""
+    measured, p, n_none, n_back = against_none(lab, "rollback_stale", STALE_SAMPLER, "a sampler 4 updates stale, 150 steps")
+    # rule (written before the first run): as rollback's, on a sampler 4 updates stale with pi_old recomputed
+    # and no correction (mismatch's arm): the rollback helps when fewer of its runs fail (end collapsed by
+    # lab/collapse.py's rule, or off the format: held-out valid < 0.5) than of the runs without it, Fisher's
+    # one-sided p < 0.05: reproduced. Not reproduced when its runs fail at least as often; inconclusive
+    # otherwise. The held-out best at the end and the rollbacks taken are reported beside it.
+    return dict(report="the field (a checkpoint to go back to, the lr cut)", figure="rollback_stale/compare.png",
+                claim=CLAIM + ", when the sampler is stale", measured=measured, verdict=verdict(p, n_none, n_back))

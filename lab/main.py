@@ -35,7 +35,7 @@ from lab.probe001 import probe_001
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime, monitor_warning
 from lab.report003 import kl_range, kl_regime, rce_grpo
 from lab import real, real_collapse, stats
-from lab.detectors import detectors, rollback
+from lab.detectors import detectors, rollback, rollback_stale
 from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch, trust_regions_stale
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
@@ -48,7 +48,7 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
                "entropy_collapse_epochs": entropy_collapse_epochs, "mismatch": mismatch,
                "trust_regions_stale": trust_regions_stale, "detectors": detectors,
-               "rollback": rollback}
+               "rollback": rollback, "rollback_stale": rollback_stale}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
 NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
