@@ -31,7 +31,8 @@ from running import config, report
 from tasks import workflow_task
 
 SEEDS = 3
-POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10}   # seeds per setting, by the power analysis
+POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # seeds per setting, by the power analysis
+           "real_rollback": 10}
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
@@ -62,6 +63,11 @@ SETTINGS = {
     "real_lora": {
         "LoRA r=1": f"{K8} {EVERY_PROMPT} --lora-rank 1 --lr 2e-4",
         "LoRA r=32": f"{K8} {EVERY_PROMPT} --lora-rank 32 --lr 2e-4",
+    },
+    # --rollback against real_k_fair's K=8/B=3 runs: evaluated every 5 steps so that it can act
+    # (how often a run is evaluated does not change its training: tests/test_lab.py)
+    "real_rollback": {
+        "K=8, B=3, --rollback 3": f"{K8} --eval-every 5 --eval-prompts 32 --eval-samples 2 --rollback 3",
     },
     "real_tools": {
         "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
@@ -362,6 +368,32 @@ def real_lora(lab: RealLab, log=print) -> dict:
                 verdict="; ".join(f"{label}: {stats.decide(q, alpha=0.025)}" for label, q in p.items()))
 
 
+def real_rollback(lab: RealLab, log=print) -> dict:
+    """--rollback 3 against real_k_fair's K=8/B=3 runs: fewer end on one answer? (the detector issue)"""
+    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log),
+            "--rollback 3": lab.runs("real_rollback", "K=8, B=3, --rollback 3", log)}
+    write_table(lab, "real_rollback", runs, POWERED_COLUMNS)
+    base, back = (sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for rs in runs.values())
+    n, m = len(runs["K=8, B=3"]), len(runs["--rollback 3"])
+    taken = [len(r.get("rollbacks", [])) for r in runs["--rollback 3"]]
+    # rule (written before the first run): fewer runs end on one answer (eval_one_answer_end >=
+    # COLLAPSED of the 64 held-out samples) with --rollback 3 than in real_k_fair's K=8/B=3 runs:
+    # one-sided Fisher exact test, 10 runs an arm, alpha 0.05: "reproduced" if p < 0.05; "not
+    # reproduced" if at least as many end on one answer; else "inconclusive". A rollback at the
+    # last step leaves that step's evaluation (the one that set it off) as the run's end: counted
+    # as ending on one answer.
+    p = stats.fisher(base, n, back, m)
+    return dict(report="the field (a checkpoint to go back to, the lr cut)", figure="real_rollback/compare.png",
+                claim="going back to the best checkpoint with the lr halved, when an evaluation finds one answer, "
+                      "keeps GRPO on SmolLM2 off its collapse onto one answer",
+                measured=f"runs ending on one answer: K=8/B=3 {base}/{n}, with --rollback 3 {back}/{m}, one-sided "
+                         f"Fisher p = {p:.3f}; rollbacks a run {compare.spread(taken)}; held-out best at the end "
+                         + ", ".join(f"{label} {spread(rs, 'eval_best_rate_end')}" for label, rs in runs.items())
+                         + f"; {at_warm_start(runs)}",
+                verdict="reproduced" if p < stats.ALPHA else
+                "not reproduced: as many ended on one answer" if back / m >= base / n else "inconclusive")
+
+
 POWERED_COLUMNS = [("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),
                    ("one answer (end)", "eval_one_answer_end"), ("crash rate", "crash_rate"),
                    ("crash floor", "crash_floor")]
@@ -521,4 +553,4 @@ def real_monitor(lab: RealLab, log=print) -> dict:
 
 EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held,
                "real_lora": real_lora, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
-               "real_monitor": real_monitor}
+               "real_monitor": real_monitor, "real_rollback": real_rollback}

@@ -148,13 +148,17 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
                                            "real_entropy_held": {"adaptive entropy": "--k 8 --batch 3 --steps 3 "
                                                                                      "--entropy-target 0.2"},
                                            "real_lora": {"LoRA r=1": "--k 8 --batch 3 --steps 3 --lora-rank 1 "
-                                                                     "--lr 2e-2"}})
-    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3, "real_lora": 3})
-    assert lab.seeds == 2 and real.estimate(lab, ["real_k_fair", "real_entropy_held", "real_lora"])[0] == 12
+                                                                     "--lr 2e-2"},
+                                           "real_rollback": {"K=8, B=3, --rollback 3": "--k 8 --batch 3 --steps 3 "
+                                                             "--eval-every 1 --rollback 3 --lr 2e-2"}})
+    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3, "real_lora": 3, "real_rollback": 3})
+    names = ["real_k_fair", "real_entropy_held", "real_lora", "real_rollback"]
+    assert lab.seeds == 2 and real.estimate(lab, names)[0] == 15
     fair = real.real_k_fair(lab, log=lambda s: None)
     held = real.real_entropy_held(lab, log=lambda s: None)
     lora = real.real_lora(lab, log=lambda s: None)
-    assert len(lab.calls) == 12                                   # the K=8 runs served all three
+    back = real.real_rollback(lab, log=lambda s: None)
+    assert len(lab.calls) == 15                                   # the K=8 runs served all four
     end = {label: [json.loads((lab.out(name, label, s) / "summary.json").read_text()) for s in range(3)]
            for name, label in (("real_k_fair", "K=2, B=12"), ("real_k_fair", "K=8, B=3"),
                                ("real_entropy_held", "adaptive entropy"))}
@@ -171,3 +175,10 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     two = stats.two_sided(adapters, [r["eval_one_answer_end"] for r in end["K=8, B=3"]])
     assert f"two-sided permutation p = {two:.3f})" in lora["measured"]
     assert lora["verdict"] == f"LoRA r=1: {'reproduced' if two < 0.025 else 'inconclusive'}"
+    rolled = [json.loads((lab.out("real_rollback", "K=8, B=3, --rollback 3", s) / "summary.json").read_text())
+              for s in range(3)]
+    ones = sum(r["eval_one_answer_end"] >= real.COLLAPSED for r in rolled)
+    f = stats.fisher(one["K=8, B=3"], 3, ones, 3)
+    assert f"with --rollback 3 {ones}/3, one-sided Fisher p = {f:.3f}" in back["measured"]
+    assert back["verdict"] == ("reproduced" if f < 0.05 else "not reproduced: as many ended on one answer"
+                               if ones >= one["K=8, B=3"] else "inconclusive")
