@@ -314,27 +314,32 @@ def real_k_fair(lab: RealLab, log=print) -> dict:
                 verdict=stats.decide(p))
 
 
+def against_k8(lab: RealLab, name: str, label: str, shown: str, log) -> tuple:
+    """real_k_fair's K=8/B=3 runs against one arm of `name` (label; `shown` in the text): (the runs,
+    how many of each end on one answer, Fisher's one-sided p of fewer with the arm, what was measured)."""
+    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log), shown: lab.runs(name, label, log)}
+    write_table(lab, name, runs, POWERED_COLUMNS)
+    (base, n), (arm, m) = ((sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs), len(rs))
+                           for rs in runs.values())
+    p = stats.fisher(base, n, arm, m)
+    measured = (f"runs ending on one answer: K=8/B=3 {base}/{n}, with {shown} {arm}/{m}, one-sided Fisher p = "
+                f"{p:.3f}; held-out best at the end " + ", ".join(f"{k} {spread(rs, 'eval_best_rate_end')}"
+                                                                 for k, rs in runs.items()) + f"; {at_warm_start(runs)}")
+    return runs, (base, n), (arm, m), p, measured
+
+
 def real_entropy_held(lab: RealLab, log=print) -> dict:
     """Adaptive entropy against real_k_fair's K=8/B=3 runs: fewer end on one answer? (2025-26 methods)"""
-    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log),
-            "adaptive entropy": lab.runs("real_entropy_held", "adaptive entropy", log)}
-    write_table(lab, "real_entropy_held", runs, POWERED_COLUMNS)
-    base, held = (sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for rs in runs.values())
-    n = len(runs["K=8, B=3"])
+    _, _, _, p, measured = against_k8(lab, "real_entropy_held", "adaptive entropy", "adaptive entropy", log)
     # rule (written before the first run): fewer runs end on one answer (eval_one_answer_end >=
     # COLLAPSED of the 64 held-out samples) with adaptive entropy (--entropy-target 0.2) than in
     # the K=8/B=3 baseline: one-sided Fisher exact test, 10 runs an arm, alpha 0.05:
     # "reproduced" if p < 0.05, else "inconclusive". 10 runs an arm detect 50% against 0% with
     # power 0.8; the pilot's 33% against 0% needs 19 (lab.stats).
-    p = stats.fisher(base, n, held, len(runs["adaptive entropy"]))
     return dict(report="2025-26 methods", figure="real_entropy_held/compare.png",
                 claim="adaptive entropy control keeps GRPO off the collapse onto one answer (the 3-seed lab: 0/3 "
                       "against 1/3, Fisher p = 0.5)",
-                measured=f"runs ending on one answer: K=8/B=3 {base}/{n}, with adaptive entropy {held}/"
-                         f"{len(runs['adaptive entropy'])}, one-sided Fisher p = {p:.3f}; held-out best at the end "
-                         + ", ".join(f"{label} {spread(rs, 'eval_best_rate_end')}" for label, rs in runs.items())
-                         + f"; {at_warm_start(runs)}",
-                verdict=stats.decide(p))
+                measured=measured, verdict=stats.decide(p))
 
 
 def real_lora(lab: RealLab, log=print) -> dict:
@@ -370,11 +375,8 @@ def real_lora(lab: RealLab, log=print) -> dict:
 
 def real_rollback(lab: RealLab, log=print) -> dict:
     """--rollback 3 against real_k_fair's K=8/B=3 runs: fewer end on one answer? (the detector issue)"""
-    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log),
-            "--rollback 3": lab.runs("real_rollback", "K=8, B=3, --rollback 3", log)}
-    write_table(lab, "real_rollback", runs, POWERED_COLUMNS)
-    base, back = (sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs) for rs in runs.values())
-    n, m = len(runs["K=8, B=3"]), len(runs["--rollback 3"])
+    runs, (base, n), (back, m), p, measured = against_k8(lab, "real_rollback", "K=8, B=3, --rollback 3",
+                                                        "--rollback 3", log)
     taken = [len(r.get("rollbacks", [])) for r in runs["--rollback 3"]]
     # rule (written before the first run): fewer runs end on one answer (eval_one_answer_end >=
     # COLLAPSED of the 64 held-out samples) with --rollback 3 than in real_k_fair's K=8/B=3 runs:
@@ -382,14 +384,10 @@ def real_rollback(lab: RealLab, log=print) -> dict:
     # reproduced" if at least as many end on one answer; else "inconclusive". A rollback at the
     # last step leaves that step's evaluation (the one that set it off) as the run's end: counted
     # as ending on one answer.
-    p = stats.fisher(base, n, back, m)
     return dict(report="the field (a checkpoint to go back to, the lr cut)", figure="real_rollback/compare.png",
                 claim="going back to the best checkpoint with the lr halved, when an evaluation finds one answer, "
                       "keeps GRPO on SmolLM2 off its collapse onto one answer",
-                measured=f"runs ending on one answer: K=8/B=3 {base}/{n}, with --rollback 3 {back}/{m}, one-sided "
-                         f"Fisher p = {p:.3f}; rollbacks a run {compare.spread(taken)}; held-out best at the end "
-                         + ", ".join(f"{label} {spread(rs, 'eval_best_rate_end')}" for label, rs in runs.items())
-                         + f"; {at_warm_start(runs)}",
+                measured=f"{measured}; rollbacks a run {compare.spread(taken)}",
                 verdict="reproduced" if p < stats.ALPHA else
                 "not reproduced: as many ended on one answer" if back / m >= base / n else "inconclusive")
 
