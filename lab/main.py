@@ -1,10 +1,10 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all twenty-two experiments, 6 seeds per setting (20 for the
+    python -m lab                        # all twenty-three experiments, 6 seeds per setting (20 for the
                                          # collapse experiments; docs/lab-notebook.md: its time), then
                                          # the detector bench over their kept runs and rollback against none
     python -m lab group_norm tools       # some of them
-    python -m lab --quick                # all twenty-two, 2 seeds, a few steps, into runs/lab-quick (CI)
+    python -m lab --quick                # all of them, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
     python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
                                          # into results/smollm2-135m; stop it and run it again to continue
@@ -36,7 +36,8 @@ from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad
 from lab.report003 import kl_range, kl_regime, rce_grpo
 from lab import real, real_collapse, stats
 from lab.detectors import detectors, rollback, rollback_stale
-from lab.collapse import collapse_rate, entropy_collapse, entropy_collapse_epochs, mismatch, trust_regions_stale
+from lab.collapse import (collapse_rate, entropy_collapse, entropy_collapse_epochs, entropy_collapse_2026, mismatch,
+                          trust_regions_stale)
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
                "probe_001": probe_001, "critic": critic,
@@ -46,7 +47,8 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "curriculum": curriculum, "tools_ppo": tools_ppo, "entropy": entropy,
                "monitor": monitor_warning,
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
-               "entropy_collapse_epochs": entropy_collapse_epochs, "mismatch": mismatch,
+               "entropy_collapse_epochs": entropy_collapse_epochs, "entropy_collapse_2026": entropy_collapse_2026,
+               "mismatch": mismatch,
                "trust_regions_stale": trust_regions_stale, "detectors": detectors,
                "rollback": rollback, "rollback_stale": rollback_stale}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
