@@ -187,8 +187,9 @@ def replay(rows: list, thresholds: dict = REPORT_002) -> list:
 # The detector bench (`python -m lab detectors`) found no signal the runs log that warns of a
 # collapse before the held-out evaluation sees it, at a usable false-alarm rate. What can be done
 # is to undo it: when an evaluation finds one answer for nearly every prompt (the lab's collapse)
-# or a step is non-finite, go back to the checkpoint of the best evaluation so far (model,
-# optimizer, the controllers that shape training, the prompts' sampler) and go on with the lr cut.
+# or an on-format rate half the best evaluation's (junk), or a step is non-finite, go back to the
+# checkpoint of the best evaluation so far (model, optimizer, the controllers that shape training,
+# the prompts' sampler) and go on with the lr cut.
 # The step count goes on (the steps spent are spent), and so do the run's own statistics (report
 # 001's count, the monitor's episodes): a rollback undoes the policy, not the record.
 

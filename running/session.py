@@ -393,8 +393,8 @@ def roll_back(run: Run, row: dict, stats: dict) -> bool:
     rollbacks = run.controllers["rollbacks"]
     why, best = distributed.gather((rollbacks.why(row, stats, run.state.best_eval), run.state.best_checkpoint))[0]
     said = rollbacks.cannot(why, best)
-    if said and said not in run.said:
-        run.said.add(said)
+    if said and said.split("; ")[-1] not in run.said:         # once for each reason it cannot
+        run.said.add(said.split("; ")[-1])
         run.log(f"step {row['step']}: {said}")
     if said or not why:
         return False
