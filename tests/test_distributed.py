@@ -189,3 +189,16 @@ def test_a_stopped_rank_ends_the_job_after_the_collective_timeout_naming_a_rank(
     assert job.returncode != 0
     lost = [line for line in stderr.splitlines() if "lost contact with another rank" in line]
     assert lost and "rank 0 of 2" in lost[0], stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--micro-batch", "64"], "--micro-batch: must divide the mini-batch (32 sequences per rank) (or be 0), got 64"),
+    (["--k", "3", "--batch", "2", "--mini-batch", "3"], "--mini-batch: must split over 2 ranks, got 3"),
+])
+def test_the_mini_and_micro_batch_are_checked_per_rank_before_the_group_exists(argv, said, tmp_path, monkeypatch, capsys):
+    """train.py validates before torchrun's process group is joined: the ranks come from its WORLD_SIZE."""
+    from running import config
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        config.parse_config([*argv, "--out", str(tmp_path / "x")])
+    assert e.value.code == 2 and f"train.py: error: {said}" in capsys.readouterr().err
