@@ -334,7 +334,7 @@ def against_none(lab: Lab, name: str, common: str, setting: str) -> tuple:
 
 
 def verdict(p: float, n_none: int, n_back: int) -> str:
-    return "reproduced" if p < stats.ALPHA else \
+    return f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(p)})" if p < stats.ALPHA else \
         "not reproduced: its runs failed as often" if n_back >= n_none else "inconclusive"
 
 

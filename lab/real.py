@@ -388,8 +388,8 @@ def real_rollback(lab: RealLab, log=print) -> dict:
                 claim="going back to the best checkpoint with the lr halved, when an evaluation finds one answer, "
                       "keeps GRPO on SmolLM2 off its collapse onto one answer",
                 measured=f"{measured}; rollbacks a run {compare.spread(taken)}",
-                verdict="reproduced" if p < stats.ALPHA else
-                "not reproduced: as many ended on one answer" if back / m >= base / n else "inconclusive")
+                verdict=f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(p)})" if p < stats.ALPHA
+                else "not reproduced: as many ended on one answer" if back / m >= base / n else "inconclusive")
 
 
 POWERED_COLUMNS = [("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),

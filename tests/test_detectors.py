@@ -131,7 +131,8 @@ def test_rollbacks_verdict_is_its_fisher_test(tmp_path, monkeypatch):
                     **({"rollbacks": [{}] * rollbacks} if rollbacks else {}))
     lab = Lab(tmp_path, quick=False)
     none = [run(True) for _ in range(20)]
-    for back, verdict in (([run(i < 8, 2) for i in range(20)], "reproduced"),               # 8/20 against 20/20
+    registered = f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(stats.fisher(20, 20, 8, 20))})"
+    for back, verdict in (([run(i < 8, 2) for i in range(20)], registered),                 # 8/20 against 20/20
                           ([run(i < 18, 3) for i in range(20)], "inconclusive"),            # 18/20: p = 0.24
                           ([run(True, 3) for _ in range(20)], "not reproduced: its runs failed as often")):
         monkeypatch.setattr(lab, "sweep", lambda *a, **k: {"--rollback 0": none, "--rollback 3": back})
