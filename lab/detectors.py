@@ -24,6 +24,7 @@ import math
 import statistics
 from pathlib import Path
 
+import monitor
 from lab import collapse, compare, stats
 from lab.collapse import BEST, ONE_ANSWER, VALID
 from lab.common import Lab, mean
@@ -136,9 +137,58 @@ def read_runs(root: Path, real: bool, skip: Path | None = None) -> list:
         for i, (_, path) in enumerate(sorted(seeds)):
             rows = report.read_metrics(path)
             updates = [x for x in rows if x["step"] > 0]
-            runs.append(dict(path=path, half=i % 2, **outcome(rows, real),
+            runs.append(dict(path=path, half=i % 2, **outcome(rows, real), alarms=first_alarms(updates),
                              series={name: fn(updates) for name, (fn, _) in SIGNALS.items()}))
     return [r for r in runs if r["kind"] in ("collapsed", "healthy")]
+
+
+# The monitor's own alarms at fixed thresholds (report 002's, and StabilityMonitor's defaults, which
+# were read off this bench's first reading): monitor.replay over the logged curves, so each is the
+# alarm exactly as a run would raise it (its 10-step swing window included). Counted over every run
+# of both halves: no threshold is fixed here, so there is nothing to hold out; a description, not a test.
+FIXED = {"report 002's": monitor.REPORT_002, "the monitor's defaults": {}}
+MEASURES = {"entropy_low": "entropy", "kl_high": "kl", "reward_swing": "reward_mean"}
+
+
+def first_alarms(updates: list) -> dict:
+    """{thresholds: {alert: the first step it is active, or None if never}, or None where the run
+    never logged the alert's quantity (KL without a reference)}."""
+    measured = {name for name, key in MEASURES.items() if any(x.get(key) is not None for x in updates)}
+    out = {}
+    for label, thresholds in FIXED.items():
+        first = {name: None for name in measured}
+        for row, active in zip(updates, monitor.replay(updates, thresholds)):
+            for name in set(active) & measured:
+                if first[name] is None:
+                    first[name] = row["step"]
+        out[label] = first
+    return out
+
+
+def alarm_counts(runs: list) -> dict:
+    """{thresholds: {alert: (healthy runs it fired on, healthy runs that measured it, warnable collapsed
+    runs it fired on at or before their last healthy evaluation, those that measured it)}}."""
+    out = {}
+    for label in FIXED:
+        for name in MEASURES:
+            has = [(r, r["alarms"][label][name]) for r in runs if name in r["alarms"][label]]
+            healthy = [step for r, step in has if r["kind"] == "healthy"]
+            sick = [(r, step) for r, step in has if r["kind"] == "collapsed" and r["last_healthy"] not in (None, 0)]
+            out.setdefault(label, {})[name] = (sum(s is not None for s in healthy), len(healthy),
+                                               sum(s is not None and s <= r["last_healthy"] for r, s in sick), len(sick))
+    return out
+
+
+def said(t: dict) -> str:
+    return f"entropy < {t['min_entropy']:g}, KL > {t['max_kl']:g}, reward range over 10 steps > {t['max_reward_range']:g}"
+
+
+def alarm_table(runs: list) -> list:
+    lines = ["| thresholds | alarm | healthy runs it fires on | collapsed runs it warns in time |", "|---|---|---|---|"]
+    for label, counts in alarm_counts(runs).items():
+        for name, (false, n_healthy, warned, n_sick) in counts.items():
+            lines.append(f"| {label} | {name} | {false}/{n_healthy} | {warned}/{n_sick} |")
+    return lines
 
 
 def first_alarm(series: list, threshold: float, until: float = math.inf) -> int | None:
@@ -276,6 +326,9 @@ def detectors(lab: Lab) -> dict:
     lines = ["Written by `python -m lab detectors` from the kept runs; the rule and definitions: lab/detectors.py.", ""]
     for model, runs in models.items():
         lines += table(model, runs, results[model]) + [""]
+        lines += [f"The monitor's own alarms on {model}'s runs (both halves), replayed from the logged curves "
+                  f"(monitor.replay) at report 002's thresholds ({said(monitor.REPORT_002)}) and at the monitor's "
+                  f"defaults ({said(monitor.StabilityMonitor().__dict__)}):", ""] + alarm_table(runs) + [""]
     out = lab.dir("detectors")
     (out / "table.md").write_text("\n".join(lines))
     figure(models, out / "detectors.png")

@@ -159,3 +159,55 @@ def test_replaying_report_002s_thresholds_gives_the_alerts_the_runs_logged():
         rows = report.read_metrics(run)[1:]
         assert monitor.replay(rows) == [r["alerts"] for r in rows], run
         assert any(r["alerts"] for r in rows)
+
+
+def test_the_fixed_alarm_counts_against_a_naive_reading_of_each_runs_curves():
+    """alarm_counts replays the monitor at report 002's thresholds and at its defaults; the reference
+    here reads each alarm off the rows by its definition: entropy below the floor, KL above the
+    ceiling, the range of the last 10 mean rewards above its ceiling, the first step it holds."""
+    import monitor
+    rng = random.Random(5)
+
+    def made(collapse_at):
+        rows = run_rows(collapse_at)
+        for x in rows[1:]:
+            x["entropy"] = rng.choice([0.3, 0.004, 0.6])
+            x["reward_mean"] = rng.choice([0.0, 0.1, 1.0, 3.0]) if rng.random() < 0.3 else 0.5
+            if collapse_at == 50:
+                x["kl"] = rng.choice([0.1, 0.7, 3.0])
+        return rows
+
+    def first(updates, name, t):
+        for i, x in enumerate(updates):
+            window = [y["reward_mean"] for y in updates[max(0, i - 9):i + 1]]
+            if {"entropy_low": x["entropy"] < t["min_entropy"],
+                "kl_high": x.get("kl") is not None and x["kl"] > t["max_kl"],
+                "reward_swing": len(window) == 10 and max(window) - min(window) > t["max_reward_range"]}[name]:
+                return x["step"]
+        return None
+
+    runs, expected = [], {}
+    defaults = {"min_entropy": 0.005, "max_kl": 2.5, "max_reward_range": 2.0}
+    assert monitor.StabilityMonitor().__dict__.items() >= defaults.items()
+    for i, collapse_at in enumerate([None, None, 40, 50, None, 30, 50, None]):
+        rows = made(collapse_at)
+        updates = [x for x in rows if x["step"] > 0]
+        run = dict(**detectors.outcome(rows, real=False), alarms=detectors.first_alarms(updates))
+        runs.append(run)
+        for label, t in (("report 002's", monitor.REPORT_002), ("the monitor's defaults", defaults)):
+            for name in ("entropy_low", "kl_high", "reward_swing"):
+                if name == "kl_high" and collapse_at != 50:
+                    assert name not in run["alarms"][label]          # no KL logged: not counted at all
+                    continue
+                step = first(updates, name, t)
+                assert run["alarms"][label][name] == step
+                c = expected.setdefault((label, name), [0, 0, 0, 0])
+                if run["kind"] == "healthy":
+                    c[0] += step is not None
+                    c[1] += 1
+                elif run["kind"] == "collapsed" and run["last_healthy"] not in (None, 0):
+                    c[2] += step is not None and step <= run["last_healthy"]
+                    c[3] += 1
+    got = detectors.alarm_counts(runs)
+    assert {(label, name): list(v) for label, d in got.items() for name, v in d.items()} == expected
+    assert expected[("report 002's", "entropy_low")][0] == 4         # 0.3 < 0.5 somewhere on every healthy run
