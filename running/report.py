@@ -3,6 +3,7 @@ line, summary.json and its curves, and TensorBoard when asked. Every key: docs/m
 
     python -m running.report OUT_DIR      # OUT_DIR/curves.png again, from its metrics.jsonl
 """
+import ctypes.util
 import gzip
 import json
 import math
@@ -97,6 +98,17 @@ def finish(task, out: Path, state, monitors: tuple, log) -> dict:
               f"taken): nothing was learned; the step lines and metrics.jsonl's nonfinite say what overflowed",
               file=sys.stderr)
     return summary
+
+
+# glibc keeps the pages a process frees: an update's activations stayed resident under the held-out
+# generation after it, and the two peaks added up (Lesson 12's page measures it)
+MALLOC_TRIM = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None) if sys.platform == "linux" else None
+
+
+def give_back_freed_memory() -> None:
+    """Return the memory freed since the last call to the OS (glibc's malloc_trim; elsewhere nothing)."""
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 def peak_memory_mb() -> float:

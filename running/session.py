@@ -307,6 +307,7 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
     prompts), batch None when nothing could be sampled. True: the run stops here."""
     batch, outcomes, prompts = sampled
     cfg, state, task = run.cfg, run.state, run.learner.task
+    report.give_back_freed_memory()       # the update's, before the held-out generation
     step = state.step = row["step"]
     state.updates += stats["steps_taken"] > 0
     state.skipped += stats["skipped_nonfinite"]
@@ -419,6 +420,7 @@ def held_out(run: Run, row: dict) -> None:
             raise                      # the starting policy itself is broken: nothing to train
         run.log(f"step {row['step']}: non-finite logits in the held-out evaluation; it is skipped")
         return
+    report.give_back_freed_memory()       # the generation's, before answer_nll's logits
     # the held-out loss beside the held-out reward (report 003: train loss falls, val loss rises)
     run.state.last_eval["eval_answer_nll"] = answer_nll(learner.models, learner.task, run.prompts["eval"])
     run.state.last_eval["train_answer_nll"] = answer_nll(learner.models, learner.task, run.prompts["nll"])

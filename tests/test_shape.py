@@ -10,7 +10,7 @@ the loop a reader reads fits on a screen.
 - No lesson function takes more than 6 parameters; no function of a training step (the
   lessons, train.py, running/, tasks/, models/) more than 8.
 - train.py is at most 300 lines; its loop (`train`) at most 80; one step (`rl_step`) at most 50.
-- The machinery a run needs (running/) is at most 1,520 non-blank lines.
+- The machinery a run needs (running/) is at most 1,530 non-blank lines.
 """
 import ast
 import dataclasses
@@ -222,12 +222,13 @@ def test_each_knob_is_defined_once_by_the_lesson_that_uses_it_and_the_flags_are_
         assert any(title.startswith(f"{lesson.__name__}.py: ") for title, _ in sections), lesson.__name__
 
 
-def test_the_machinery_a_run_needs_is_at_most_1520_lines():
+def test_the_machinery_a_run_needs_is_at_most_1530_lines():
     """running/ (the configuration and its checks, one run, checkpoints, torchrun, the report) stays
-    small enough to see past: at most 1,520 non-blank lines (1,500 when the course was put in
-    proportion; --rollback's restore, session.roll_back, is what was added since)."""
+    small enough to see past: at most 1,530 non-blank lines (1,500 when the course was put in
+    proportion; added since: --rollback's restore, session.roll_back, and giving freed memory back
+    to the OS after each step, which took LoRA's peak on SmolLM2 under the 2 GB a laptop has)."""
     lines = sum(1 for path in (ROOT / "running").glob("*.py") for line in path.read_text().splitlines() if line.strip())
-    assert lines <= 1520, f"running/ is {lines} non-blank lines"
+    assert lines <= 1530, f"running/ is {lines} non-blank lines"
 
 
 def test_a_new_objective_is_one_registered_function(monkeypatch):
