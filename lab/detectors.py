@@ -151,8 +151,8 @@ MEASURES = {"entropy_low": "entropy", "kl_high": "kl", "reward_swing": "reward_m
 
 
 def first_alarms(updates: list) -> dict:
-    """{thresholds: {alert: the first step it is active, or None if never}, or None where the run
-    never logged the alert's quantity (KL without a reference)}."""
+    """{thresholds: {alert: the first step it is active, or None if never}}; an alert whose quantity
+    the run never logged (KL without a reference) is left out."""
     measured = {name for name, key in MEASURES.items() if any(x.get(key) is not None for x in updates)}
     out = {}
     for label, thresholds in FIXED.items():

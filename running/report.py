@@ -100,8 +100,8 @@ def finish(task, out: Path, state, monitors: tuple, log) -> dict:
     return summary
 
 
-# glibc keeps the pages a process frees: an update's activations stayed resident under the held-out
-# generation after it, and the two peaks added up (Lesson 12's page measures it)
+# glibc keeps the pages a process frees while a later allocation pins the heap above them: an
+# update's activations stayed resident between steps (Lesson 12's page measures it)
 MALLOC_TRIM = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None) if sys.platform == "linux" else None
 
 
