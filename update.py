@@ -60,8 +60,8 @@ def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
     if cfg.mini_batch and cfg.n % cfg.mini_batch:
         yield "mini-batch", f"must divide N = batch*k = {cfg.n} (or be 0), got {cfg.mini_batch}"
-    # torchrun's processes (checked before its process group exists, so from its WORLD_SIZE); 1 alone
-    ranks = world_size() if world_size() > 1 else int(os.environ.get("WORLD_SIZE", "1"))
+    # torchrun's processes: train.py checks before its process group exists, so from its WORLD_SIZE
+    ranks = max(world_size(), int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.mini_batch % ranks:
         yield "mini-batch", f"must split over {ranks} ranks, got {cfg.mini_batch}"
     mini = (cfg.mini_batch or cfg.n) // ranks

@@ -180,5 +180,6 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     ones = sum(r["eval_one_answer_end"] >= real.COLLAPSED for r in rolled)
     f = stats.fisher(one["K=8, B=3"], 3, ones, 3)
     assert f"with --rollback 3 {ones}/3, one-sided Fisher p = {f:.3f}" in back["measured"]
-    assert back["verdict"] == (f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(f)})" if f < 0.05 else "not reproduced: as many ended on one answer"
+    registered = f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(f)})"
+    assert back["verdict"] == (registered if f < 0.05 else "not reproduced: as many ended on one answer"
                                if ones >= one["K=8, B=3"] else "inconclusive")

@@ -226,7 +226,7 @@ def test_the_machinery_a_run_needs_is_at_most_1530_lines():
     """running/ (the configuration and its checks, one run, checkpoints, torchrun, the report) stays
     small enough to see past: at most 1,530 non-blank lines (1,500 when the course was put in
     proportion; added since: --rollback's restore, session.roll_back, and giving freed memory back
-    to the OS after each step: SmolLM2 with LoRA then holds 0.95 GB between steps, not 1.6-1.8)."""
+    to the OS after each step, which lowers what a real model holds between steps; Lesson 12)."""
     lines = sum(1 for path in (ROOT / "running").glob("*.py") for line in path.read_text().splitlines() if line.strip())
     assert lines <= 1530, f"running/ is {lines} non-blank lines"
 
