@@ -2,6 +2,7 @@
 no-ops said in plain words.
 
     row = diagnostics.rollout_metrics(batch, outcomes, task, hp, join)    # train.py, after the update
+    rates, records = diagnostics.evaluate(models, task, prompts, sampling, samples, gamma)   # held out
 
 A run that goes wrong says so in these numbers before its held-out reward does (their formulas:
 docs/metrics.md). The ones this course leans on:
@@ -20,6 +21,9 @@ running/distributed.concat), so every rank holds the numbers one process would c
 same rollouts, and every decision taken from them (beta, the monitor, a stop) is the same on
 every rank.
 """
+import dataclasses
+from collections import Counter
+
 import torch
 
 import advantages
@@ -120,3 +124,37 @@ def silent_no_ops(row: dict, k: int, new_tokens: int) -> dict:
                               f"step teaches nothing (a loss of 0 here is expected, not a bug) (said once; "
                               f"frac_reward_zero_std in metrics.jsonl)")
     return said
+
+
+# ---- the held-out evaluation: prompts the policy never trains on, under a fixed seed (every
+# evaluation sees the same sampling noise, so two evaluations differ by the policy alone) ----
+
+EVAL_SEED = 1234
+
+
+def evaluate(models, task, prompts: list, sampling, samples: int, gamma: float) -> tuple[dict, list]:
+    """({eval_<rate>, eval_reward_mean, eval_one_answer, [eval_value_rmse]}, a samples.jsonl
+    record per rollout). eval_one_answer: the commonest text's share (1.0: Lesson 5's collapse);
+    eval_value_rmse: V(s_t) against the discounted outcome reward, over held-out policy tokens."""
+    batch, outcomes = sample_seeded(models, task, prompts, sampling, samples, EVAL_SEED)
+    out = {f"eval_{key}": v for key, v in task.rates(outcomes).items()}
+    out["eval_reward_mean"] = batch.rewards.mean().item()
+    # one answer for every prompt: the share of held-out samples that are the commonest text
+    out["eval_one_answer"] = max(Counter(batch.texts).values()) / len(batch.texts)
+    if models.value_head is not None:
+        m = batch.completion_mask                                                   # (N, C)
+        # lam = 1: A_t + V_t is the Monte-Carlo return, whatever V is.
+        _, returns = advantages.gae(ppo.token_rewards(batch.rewards.to(m.device), m),
+                                    batch.old_values, m, gamma, 1.0)                # (N, C)
+        out["eval_value_rmse"] = ((batch.old_values - returns)[m.bool()] ** 2).mean().sqrt().item()
+    return out, [task.describe(t, o) for t, o in zip(batch.texts, outcomes)]
+
+
+def sample_seeded(models, task, prompts: list, sampling, samples: int, seed: int):
+    """task.sample of `samples` rollouts per prompt under a fixed seed; the training RNG untouched;
+    no kept sets recorded (--mask-replay: nothing here is scored for training)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        return task.sample(models, prompts, samples, sampling and dataclasses.replace(sampling, mask_replay=False),
+                           record_old_logp=False)

@@ -80,7 +80,8 @@ class Knobs:
     rollout_c_min: float = field(default=0.5, metadata={"help": "--rollout-correction mis: a weight below this "
                                                         "drops its token", "needs": "rollout_correction", "flag": False})
     rollout_c_max: float = field(default=3.0, metadata={"help": "--rollout-correction tis: the cap; mis: a weight "
-                                 "above this drops its token (> 1)", "max": 1e4, "needs": "rollout_correction"})
+                                 "above this drops its token (> 1)", "max": 1e4, "needs": "rollout_correction",
+                                 "flag": False})
     log_mismatch: bool = field(default=False, metadata={"help": "record the sampler's log-probs and log the "
                                "mismatch (sampling/*) even with no mismatch made (the null: float rounding alone)"})
 

@@ -10,7 +10,7 @@ from running import report
 
 SEEDS, QUICK_SEEDS = 6, 2
 # Most experiments evaluate every 20 steps, to keep the lab within its time (docs/lab-notebook.md):
-# an evaluation has its own seed and leaves the training RNG alone (session.sample_seeded),
+# an evaluation has its own seed and leaves the training RNG alone (diagnostics.sample_seeded),
 # so a run's trajectory and its end's numbers do not depend on how often it is evaluated;
 # kl_range and rce_grpo read every evaluation (the best one, early stopping) and keep 10, as
 # does group_norm_aggressive_lr (60 steps).

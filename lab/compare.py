@@ -55,9 +55,9 @@ import transformers
 
 from running import checkpoint
 from models import policy, pretrained
-from running import session
 from running import config
 from running import report
+import diagnostics
 import rollout
 import tasks
 import train
@@ -399,7 +399,7 @@ def run_settings(settings: list, common: str, seeds: int | range, out: Path, met
 
 # ---- every checkpoint against the baseline ----
 
-CHECKPOINT_SEED = 4321          # not session.EVAL_SEED: the runs picked their best under that one
+CHECKPOINT_SEED = 4321          # not diagnostics.EVAL_SEED: the runs picked their best under that one
 
 
 def run_config(run: Path) -> config.Config:
@@ -432,7 +432,7 @@ def checkpoints_problem(runs: list) -> str | None:
 def by_group(models, task, prompts: list, sampling, samples: int, seed: int) -> dict:
     """{group: {rate: value, "reward_mean": ...}} for each value of the prompts' task.GROUP_KEY
     (DSL: problem type), and "all": `samples` rollouts per prompt under `seed`."""
-    batch, outcomes = session.sample_seeded(models, task, prompts, sampling, samples, seed)
+    batch, outcomes = diagnostics.sample_seeded(models, task, prompts, sampling, samples, seed)
     rewards = batch.rewards.tolist()
     groups = {}                                          # group -> rollout indices
     for i, p in enumerate(prompts):

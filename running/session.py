@@ -14,7 +14,6 @@ import random
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,7 +21,6 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError
 
-import advantages
 import diagnostics
 import dynamic_sampling
 import entropy_control
@@ -32,7 +30,6 @@ import logprobs
 import lora
 import monitor
 import mismatch
-import ppo
 import rollout
 import shared_prefix
 import tasks
@@ -413,7 +410,7 @@ def held_out(run: Run, row: dict) -> None:
     cfg, learner = run.cfg, run.learner
     try:
         with learner.autocast():
-            run.state.last_eval, rows = evaluate(learner.models, learner.task, run.prompts["eval"],
+            run.state.last_eval, rows = diagnostics.evaluate(learner.models, learner.task, run.prompts["eval"],
                                                           learner.sampling, cfg.eval_samples, cfg.gamma)
     except rollout.NonFiniteLogits:
         if row["step"] == 0:
@@ -442,39 +439,9 @@ def keep_best(run: Run, row: dict) -> bool:
     return True
 
 
-# ---- held-out evaluation: prompts the policy never trains on, under a fixed seed (every
-# evaluation sees the same sampling noise), and report 003's held-out loss (answer_nll) ----
+# ---- report 003's held-out loss (the held-out reward: diagnostics.evaluate) ----
 
-EVAL_SEED = 1234
 NLL_ROWS = 8          # answers per forward of answer_nll
-
-
-def evaluate(models, task, prompts: list, sampling, samples: int, gamma: float) -> tuple[dict, list]:
-    """({eval_<rate>, eval_reward_mean, eval_one_answer, [eval_value_rmse]}, a samples.jsonl
-    record per rollout). eval_one_answer: the commonest text's share (1.0: Lesson 5's collapse);
-    eval_value_rmse: V(s_t) against the discounted outcome reward, over held-out policy tokens."""
-    batch, outcomes = sample_seeded(models, task, prompts, sampling, samples, EVAL_SEED)
-    out = {f"eval_{key}": v for key, v in task.rates(outcomes).items()}
-    out["eval_reward_mean"] = batch.rewards.mean().item()
-    # one answer for every prompt: the share of held-out samples that are the commonest text
-    out["eval_one_answer"] = max(Counter(batch.texts).values()) / len(batch.texts)
-    if models.value_head is not None:
-        m = batch.completion_mask                                                   # (N, C)
-        # lam = 1: A_t + V_t is the Monte-Carlo return, whatever V is.
-        _, returns = advantages.gae(ppo.token_rewards(batch.rewards.to(m.device), m),
-                                    batch.old_values, m, gamma, 1.0)                # (N, C)
-        out["eval_value_rmse"] = ((batch.old_values - returns)[m.bool()] ** 2).mean().sqrt().item()
-    return out, [task.describe(t, o) for t, o in zip(batch.texts, outcomes)]
-
-
-def sample_seeded(models, task, prompts: list, sampling, samples: int, seed: int):
-    """task.sample of `samples` rollouts per prompt under a fixed seed; the training RNG untouched;
-    no kept sets recorded (--mask-replay: nothing here is scored for training)."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        return task.sample(models, prompts, samples, sampling and dataclasses.replace(sampling, mask_replay=False),
-                           record_old_logp=False)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from running import config
 import dynamic_sampling
 import logprobs
 import train
-from conftest import quick, synthetic_batch, tiny_model
+from conftest import configure, quick, synthetic_batch, tiny_model
 
 
 @pytest.mark.lesson
@@ -182,9 +182,9 @@ def test_a_correction_acts_under_dynamic_sampling(tmp_path):
     the update, so the two runs differ and the mismatch is logged (they were bit-identical)."""
     losses = {}
     for name, extra in (("plain", ()), ("tis", ("--rollout-correction", "tis", "--rollout-c-max", "1.01"))):
-        train.train(config.parse_config(quick(tmp_path, name, "--dynamic-sampling", "--rollout-stale", "1",
-                                              "--max-sampling-rounds", "4", "--steps", "6", "--lr", "0.01", "--device", "cpu",
-                                              *extra)))
+        train.train(configure(quick(tmp_path, name, "--dynamic-sampling", "--rollout-stale", "1",
+                                    "--max-sampling-rounds", "4", "--steps", "6", "--lr", "0.01", "--device", "cpu",
+                                    *extra)))
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()[1:]]
         assert all("sampling/raw_importance_ratio/mean" in r for r in rows), sorted(rows[0])
         losses[name] = [r["loss"] for r in rows]

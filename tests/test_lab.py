@@ -125,7 +125,7 @@ def test_pooled_runs_reuse_their_workers_and_match_a_run_in_this_process(tmp_pat
 
 def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
     """The lab evaluates most experiments every 20 steps instead of 10: an evaluation draws
-    with its own seed and leaves the training RNG alone (session.sample_seeded), so every
+    with its own seed and leaves the training RNG alone (diagnostics.sample_seeded), so every
     training metric, and the last evaluation, are the same."""
     from running import config
     import train

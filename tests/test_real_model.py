@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from running import session
 from models import policy
 from models import pretrained
+import diagnostics
 import logprobs
 import rollout
 import shared_prefix
@@ -177,7 +177,7 @@ def test_a_short_warm_start_lands_near_report_001s_starting_mix(base, warm):
     held-out samples; the default 30 steps are measured in the README)."""
     models, _ = warm
     sampling = tasks.Sampling(max_new_tokens=24)
-    rates, _ = session.evaluate(models, workflow_task, workflow_task.prompts("eval"), sampling, 2, 1.0)
+    rates, _ = diagnostics.evaluate(models, workflow_task, workflow_task.prompts("eval"), sampling, 2, 1.0)
     assert 0.3 <= rates["eval_valid_rate"] <= 0.85, rates
     assert 0.1 <= rates["eval_fallback_rate"] <= 0.65, rates
     assert rates["eval_junk_rate"] <= 0.3, rates

@@ -10,7 +10,7 @@ the loop a reader reads fits on a screen.
 - No lesson function takes more than 6 parameters; no function of a training step (the
   lessons, train.py, running/, tasks/, models/) more than 8.
 - train.py is at most 300 lines; its loop (`train`) at most 80; one step (`rl_step`) at most 50.
-- The machinery a run needs (running/) is at most 1,530 non-blank lines.
+- The machinery a run needs (running/) is at most 1,500 non-blank lines.
 """
 import ast
 import dataclasses
@@ -204,11 +204,10 @@ def test_the_readmes_lesson_paragraphs_are_at_most_8_lines():
     assert long == [], long
 
 
-def test_each_knob_is_defined_once_by_the_lesson_that_uses_it_and_the_flags_are_at_most_81():
+def test_each_knob_is_defined_once_by_the_lesson_that_uses_it_and_the_flags_are_at_most_80():
     """Config is made of the run's own flags (Run) and each lesson's Knobs: no field twice, none
     elsewhere, each with its help; the flags (Knobs whose metadata does not say "flag": False)
-    are at most 81 (80 when the course was put in proportion; --rollback is the one added since),
-    and --help lists each under its lesson."""
+    are at most 80, and --help lists each under its lesson."""
     from running import config
     owners = [config.Run, *(lesson.Knobs for lesson in config.LESSONS)]
     names = [f.name for cls in owners for f in dataclasses.fields(cls)]
@@ -217,18 +216,16 @@ def test_each_knob_is_defined_once_by_the_lesson_that_uses_it_and_the_flags_are_
     assert all(f.metadata.get("help") for f in dataclasses.fields(config.Config))
     sections = config.sections()
     flags = [f.name for _, fields in sections for f in fields]
-    assert len(flags) == len(set(flags)) <= 81, len(flags)
+    assert len(flags) == len(set(flags)) <= 80, len(flags)
     for lesson in config.LESSONS:
         assert any(title.startswith(f"{lesson.__name__}.py: ") for title, _ in sections), lesson.__name__
 
 
-def test_the_machinery_a_run_needs_is_at_most_1530_lines():
+def test_the_machinery_a_run_needs_is_at_most_1500_lines():
     """running/ (the configuration and its checks, one run, checkpoints, torchrun, the report) stays
-    small enough to see past: at most 1,530 non-blank lines (1,500 when the course was put in
-    proportion; added since: --rollback's restore, session.roll_back, and giving freed memory back
-    to the OS after each step, which lowers what a real model holds between steps; Lesson 12)."""
+    small enough to see past: at most 1,500 non-blank lines."""
     lines = sum(1 for path in (ROOT / "running").glob("*.py") for line in path.read_text().splitlines() if line.strip())
-    assert lines <= 1530, f"running/ is {lines} non-blank lines"
+    assert lines <= 1500, f"running/ is {lines} non-blank lines"
 
 
 def test_a_new_objective_is_one_registered_function(monkeypatch):
