@@ -53,6 +53,7 @@ import grpo
 import logprobs
 import rollout
 import update
+import warm_start
 from lab import stats
 from models import policy
 from tasks import Sampling, workflow_task as task
@@ -96,7 +97,7 @@ def other_valid(ptype: str, rng: random.Random) -> str:
 
 def held_out(tok) -> dict:
     """The held-out prompts, encoded once for every measure: left-padded for P(off), and as
-    teacher-forced rows (policy.sft_rows) with the fallback, the best and the commonest valid
+    teacher-forced rows (warm_start.sft_rows) with the fallback, the best and the commonest valid
     workflow that is not best, each with its EOS."""
     prompts = task.make_prompts("eval")
     texts = [rollout.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts]
@@ -107,7 +108,7 @@ def held_out(tok) -> dict:
              for p in prompts]
     for name, completions in (("fallback", [task.FALLBACK_TEXTS[0]] * len(prompts)),
                               ("best", [p["best"] for p in prompts]), ("valid", valid)):
-        out[name] = policy.sft_rows(task, tok, [[(p["text"], False), (c, True)] for p, c in zip(prompts, completions)])
+        out[name] = warm_start.sft_rows(task, tok, [[(p["text"], False), (c, True)] for p, c in zip(prompts, completions)])
     return out
 
 
@@ -124,7 +125,7 @@ def measure(model, held: dict) -> dict:
 
 
 def completion_logprob(model, ids, mask, labels) -> torch.Tensor:
-    """(n,) the summed log-prob of each row's labelled tokens (policy.sft_rows)."""
+    """(n,) the summed log-prob of each row's labelled tokens (warm_start.sft_rows)."""
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)        # (n, L-1)
     return (lp * (labels[:, 1:] != -100)).sum(1)
@@ -232,7 +233,7 @@ def probe_001(lab) -> dict:
                                                                "prompt-tied fallback": tied_task()}
     results, rows, tests = {}, [], {}
     for name, t in starts.items():
-        model, tok = policy.tiny_policy(t, 64, 2, policy.WARM_START["tiny"], policy.CACHE,
+        model, tok = policy.tiny_policy(t, 64, 2, warm_start.DEFAULTS["tiny"], policy.CACHE,
                                         log=lambda s: print(f"  probe_001: {s}", flush=True))
         print(f"  probe_001: {name}: {len(CONDITIONS)} conditions x {len(lrs)} lrs x 2 optimizer states x "
               f"{batches} batches", flush=True)

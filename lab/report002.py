@@ -16,6 +16,7 @@ from models import policy
 import rewards
 import rollout
 import tasks
+import warm_start
 from tasks import workflow_task
 from lab import stats
 from lab.common import Lab, mean, end, metric_rows
@@ -26,7 +27,7 @@ def gradient_variance(n_samples: int, repeats: int, micro: int) -> tuple[float, 
     """Per-parameter variance over `repeats` independent batches of the GRPO policy gradient at
     the warm start, averaged over parameters; and the largest relative gap between the
     gradient accumulated over micro-batches of `micro` and the one-pass gradient."""
-    model, tok = policy.tiny_policy(workflow_task, 64, 2, policy.WarmStart(), policy.CACHE,
+    model, tok = policy.tiny_policy(workflow_task, 64, 2, warm_start.WarmStart(), policy.CACHE,
                                     log=lambda s: None)
     prompts = workflow_task.prompts("train")
     k = 8

@@ -9,7 +9,7 @@ command runs from), keyed by every setting that shapes them, so the second run s
 
 `--model` loads a real pretrained model instead (a folder that pretrained.py resolved: the
 named smollm2-135m, a local folder, a hub id), wraps prompts in its chat template, and
-warm-starts it on the same mix with its own defaults (WARM_START["real"]), cached the same way.
+warm-starts it on the same mix with its own defaults (warm_start.DEFAULTS["real"]), cached the same way.
 bf16 autocast is used where it is measured faster (autocast_choice).
 
 `task` below is a task module (workflow_task or tool_task): its vocabulary, its warm-start
@@ -18,11 +18,9 @@ examples, its system prompt.
 import hashlib
 import json
 import os
-import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +32,7 @@ import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 import logprobs
-import rollout
+import warm_start
 from models import pretrained
 from models.pretrained import ModelError, set_aside
 
@@ -86,112 +84,6 @@ def tiny_config(tok, hidden: int, layers: int, max_positions: int = 128, **shape
                        bos_token_id=tok.eos_token_id, **shape)
 
 
-# ---- supervised warm-start ----
-
-def sft_batch(task, tok, warm: "WarmStart", rng: random.Random):
-    """warm.batch fresh examples of the task's warm-start mix (up to warm.difficulty) as sft_rows."""
-    return sft_rows(task, tok, task.warmstart_batch(rng, warm.batch, warm.difficulty))
-
-
-def sft_rows(task, tok, examples: list):
-    """(input_ids, attention_mask, labels), right-padded, from examples of (text, trained)
-    segments. Loss only on the segments the policy would write (labels -100 on the prompt
-    and on anything an environment inserts), and on an EOS after the last segment when the
-    task ends its episodes with one."""
-    rows, labels = [], []
-    for segments in examples:
-        row, label = [], []
-        for i, (text, trained) in enumerate(segments):
-            # The prompt exactly as rollouts show it (chat template included, if any).
-            text = rollout.format_prompt(tok, text, task.SYSTEM_PROMPT) if i == 0 else text
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            row += ids
-            label += ids if trained else [-100] * len(ids)
-        if task.ENDS_WITH_EOS:
-            row, label = row + [tok.eos_token_id], label + [tok.eos_token_id]
-        rows.append(row)
-        labels.append(label)
-    ids = logprobs.pad(rows, tok.pad_token_id)                                # (n, L)
-    mask = logprobs.pad([[1] * len(r) for r in rows], 0)                      # (n, L)
-    return ids, mask, logprobs.pad(labels, -100)
-
-
-@dataclass(frozen=True)
-class WarmStart:
-    """The supervised warm-up before RL (--sft-steps)."""
-    steps: int = 300
-    lr: float = 3e-3
-    batch: int = 64                  # examples per step
-    seed: int = 0                    # the examples' draws and the tiny model's initial weights
-    difficulty: int = 1              # demonstrations of 1 .. this many benchmarks (--sft-difficulty)
-    micro_batch: int = 0             # examples per forward/backward (the same gradient, less memory); 0 = all,
-                                     # through model(labels=...)
-
-
-# The defaults, for the tiny model and for a real one. The tiny model starts from random
-# weights and needs many large steps. A real instruct model (SmolLM2-135M) already writes
-# text: 30 steps of 8 examples at lr 1e-4 take it from 100% junk to report 001's mix
-# (measured: README, Lesson 5), one example per forward so that its activations fit a
-# laptop (docs/performance.md, Memory).
-WARM_START = {"tiny": WarmStart(300, 3e-3, 64), "real": WarmStart(30, 1e-4, 8, micro_batch=1)}
-
-
-def sft_loss_sum(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The summed next-token NLL of the labelled tokens of right-padded rows (n, L):
-
-        sum_{i,t: labels[i,t+1] != -100}  -log p(labels[i,t+1] | ids[i, <=t])
-
-    The LM head runs only at the positions that predict a labelled token, in float32 and a few
-    thousand of them at a time (logprobs.head_logits, token_logprobs): `model(labels=...)`
-    computes float32 logits over the whole vocabulary at every position and then a copy for
-    its loss, gigabytes for SmolLM2's 49,152 words on a tool episode."""
-    h = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (n, L, H)
-    target = labels[:, 1:]                                                       # (n, L-1)
-    keep = target != -100
-    h, target = h[:, :-1][keep], target[keep]                                    # (M, H), (M,)
-    step = logprobs.rows_per_chunk(1, model.get_output_embeddings().weight.shape[0])
-    total = h.new_zeros((), dtype=torch.float32)
-    for i in range(0, len(target), step):
-        logits = logprobs.head_logits(model, h[None, i:i + step])                # (1, m, V)
-        total = total - logprobs.token_logprobs(logits, target[None, i:i + step]).sum()
-    return total
-
-
-def warm_start(task, model, tok, warm: WarmStart, log=None) -> list[float]:
-    """Supervised fine-tuning on fresh draws from the report-shaped mix; returns losses (the
-    token mean of each step's NLL, as `model(labels=...).loss`). With warm.micro_batch (a
-    real model), each step's examples go through the model that many at a time, each part's
-    summed NLL over the whole step's labelled tokens (sft_loss_sum), so the gradients add up
-    to the whole batch's. log: where to say how far it is, at each quarter (it takes minutes)."""
-    rng = random.Random(warm.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=warm.lr)
-    device = next(model.parameters()).device
-    losses = []
-    model.train()
-    t0 = time.time()
-    for step in range(warm.steps):
-        if log and step and step % max(warm.steps // 4, 1) == 0:
-            log(f"warm-start: step {step}/{warm.steps}, loss {losses[-1]:.2f}, {time.time() - t0:.0f}s "
-                f"(cached when done: the next run starts at once)")
-        ids, mask, lab = (t.to(device) for t in sft_batch(task, tok, warm, rng))
-        opt.zero_grad()
-        if warm.micro_batch:
-            tokens = (lab[:, 1:] != -100).sum().clamp_min(1)
-            loss = 0.0
-            for i in range(0, len(ids), warm.micro_batch):
-                part = sft_loss_sum(model, ids[i:i + warm.micro_batch], mask[i:i + warm.micro_batch],
-                                    lab[i:i + warm.micro_batch]) / tokens
-                part.backward()
-                loss += part.item()
-        else:      # the tiny model: its logits are small; transformers' loss, as its lessons were recorded
-            loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
-            loss.backward()
-            loss = loss.item()
-        opt.step()
-        losses.append(loss)
-    return losses
-
-
 def cache_key(settings: dict, task, difficulty: int = 1) -> str:
     blob = json.dumps({**settings, **task.fingerprint(difficulty)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -238,12 +130,12 @@ def cached(path: Path, build, log=print):
     return model, tok
 
 
-def log_warm_start(log, what: str, warm: WarmStart, losses: list, seconds: float) -> None:
+def log_warm_start(log, what: str, warm: warm_start.WarmStart, losses: list, seconds: float) -> None:
     log(f"warm-start ({what}): {warm.steps} supervised steps of {warm.batch} in {seconds:.1f}s, "
         f"loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else f"warm-start ({what}): 0 steps")
 
 
-def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path, log=print):
+def tiny_policy(task, hidden: int, layers: int, warm: warm_start.WarmStart, cache_dir: Path, log=print):
     """The tiny default policy for a task, warm-started, from the cache when it is there."""
     def build():
         tok = build_tokenizer(task.vocabulary())
@@ -251,7 +143,7 @@ def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path
         from transformers import Qwen2ForCausalLM
         model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
         t0 = time.time()
-        losses = warm_start(task, model, tok, warm, log)
+        losses = warm_start.fit(task, model, tok, warm, log)
         log_warm_start(log, f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters",
                        warm, losses, time.time() - t0)
         return model, tok
@@ -264,7 +156,7 @@ def tiny_policy(task, hidden: int, layers: int, warm: WarmStart, cache_dir: Path
 
 # ---- a real (pretrained) Hugging Face model ----
 
-def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: str = "cpu", log=print):
+def real_policy(task, folder: Path, warm: warm_start.WarmStart, cache_dir: Path, device: str = "cpu", log=print):
     """A Hugging Face causal-LM folder (pretrained.resolve) and its tokenizer, float32 weights
     on device, checked (logprobs.check_logprobs), warm-started on the task's mix when
     warm.steps > 0 and cached under cache_dir, keyed by the model and every warm-start setting."""
@@ -289,7 +181,7 @@ def real_policy(task, folder: Path, warm: WarmStart, cache_dir: Path, device: st
     def build():
         model, tok = load()
         t0 = time.time()
-        losses = warm_start(task, model, prepare_tokenizer(tok), warm, log)
+        losses = warm_start.fit(task, model, prepare_tokenizer(tok), warm, log)
         log_warm_start(log, f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} "
                        f"parameters", warm, losses, time.time() - t0)
         return model, tok
@@ -376,9 +268,9 @@ def load(cfg, task, device: str, log, init: dict | None = None):
     checkpoint), that run's weights. cfg: running/config.Config."""
     transformers.utils.logging.set_verbosity_error()           # its warnings and bars, off for the run
     transformers.utils.logging.disable_progress_bar()
-    default = WARM_START["real" if cfg.model else "tiny"]
-    warm = WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
-                     default.batch, 0, cfg.sft_difficulty, default.micro_batch)
+    default = warm_start.DEFAULTS["real" if cfg.model else "tiny"]
+    warm = warm_start.WarmStart(default.steps if cfg.sft_steps == -1 else cfg.sft_steps, default.lr,
+                                 default.batch, 0, cfg.sft_difficulty, default.micro_batch)
     if cfg.model:
         folder = pretrained.resolve(cfg.model, pretrained.default_cache(), log)
         # fp32 weights even on a GPU (bf16 is autocast): AdamW steps of lr 1e-6 on bf16

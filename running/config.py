@@ -86,7 +86,7 @@ class Run:
                      "default: the tiny model")
     hidden: int = opt(64, "tiny model: hidden size", max=8192)
     layers: int = opt(2, "tiny model: transformer layers", min=1, max=256)
-    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = policy.WARM_START's (300 tiny, 30 real)", min=-1)
+    sft_steps: int = opt(-1, "supervised warm-up steps; -1 = warm_start.DEFAULTS's (300 tiny, 30 real)", min=-1)
     sft_difficulty: int = opt(0, "tools task: the warm start shows episodes of 1 up to this many benchmarks; "
                               "0 = --difficulty")
     cache_dir: str = opt("", "where warm starts are cached; default: the repository's .cache/warmstart")

@@ -33,6 +33,7 @@ import mismatch
 import rollout
 import shared_prefix
 import tasks
+import warm_start
 from models import policy
 from running import checkpoint, config, distributed, report
 from running.config import Config
@@ -419,8 +420,8 @@ def held_out(run: Run, row: dict) -> None:
         return
     report.give_back_freed_memory()       # the generation's, before answer_nll's logits
     # the held-out loss beside the held-out reward (report 003: train loss falls, val loss rises)
-    run.state.last_eval["eval_answer_nll"] = answer_nll(learner.models, learner.task, run.prompts["eval"])
-    run.state.last_eval["train_answer_nll"] = answer_nll(learner.models, learner.task, run.prompts["nll"])
+    run.state.last_eval["eval_answer_nll"] = warm_start.answer_nll(learner.models, learner.task, run.prompts["eval"])
+    run.state.last_eval["train_answer_nll"] = warm_start.answer_nll(learner.models, learner.task, run.prompts["nll"])
     row.update(run.state.last_eval)
     run.samples.write({"step": row["step"], "split": "eval", "samples": rows})
 
@@ -437,24 +438,6 @@ def keep_best(run: Run, row: dict) -> bool:
     state.best_step, state.best_reward, state.evals_since_best = row["step"], reward, 0
     state.best_eval = dict(state.last_eval)
     return True
-
-
-# ---- report 003's held-out loss (the held-out reward: diagnostics.evaluate) ----
-
-NLL_ROWS = 8          # answers per forward of answer_nll
-
-
-@torch.no_grad()
-def answer_nll(models, task, prompts: list) -> float:
-    """- sum of log p(token) over the right answers' tokens / their number, teacher-forced at
-    temperature 1 (prompts and tool output not counted: policy.sft_rows's labels)."""
-    model, total, tokens = models.model, 0.0, 0
-    for i in range(0, len(prompts), NLL_ROWS):          # a few rows at a time: a real model's memory
-        rows = policy.sft_rows(task, models.tok, [task.answer(p) for p in prompts[i:i + NLL_ROWS]])
-        ids, mask, labels = (t.to(model.device) for t in rows)
-        total += policy.sft_loss_sum(model, ids, mask, labels).item()
-        tokens += int((labels[:, 1:] != -100).sum())
-    return total / max(tokens, 1)
 
 
 # ---- checkpoints ----

@@ -1,8 +1,8 @@
 """What a task is to the trainer: the interface written down once, and the two tasks that have it.
 
 A task is a module: workflow_task.py (report 001's workflow DSL) and tool_task.py (report
-000's multi-turn tool calling). train.py and models/policy.py use a task only through the names
-of `Task` below, so a new task is a module with these names, added to TASKS.
+000's multi-turn tool calling). train.py, warm_start.py and models/policy.py use a task only
+through the names of `Task` below, so a new task is a module with these names, added to TASKS.
 
 `Sampling` is the part of the run's configuration a task reads (Sampling.of builds it
 from the flags): how to sample, and, for the tools task, how to score an episode.
@@ -70,7 +70,7 @@ class Task(Protocol):
         the prompt first."""
 
     def answer(self, prompt: dict) -> list[tuple[str, bool]]:
-        """A right answer to a prompt as (text, trained) segments (running.session.answer_nll)."""
+        """A right answer to a prompt as (text, trained) segments (warm_start.answer_nll)."""
 
     def vocabulary(self) -> list[str]:
         """Every word the task can produce (the tiny word-level tokenizer)."""

@@ -132,7 +132,7 @@ def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[lis
 
 def answer(prompt: dict) -> list[tuple[str, bool]]:
     """A right episode for a prompt, as (text, trained) segments: look each benchmark up, then
-    answer with what the tool said (the held-out answer NLL's text: running.session.answer_nll)."""
+    answer with what the tool said (the held-out answer NLL's text: warm_start.answer_nll)."""
     return demonstration(prompt["seed"], random.Random(0), kind="lookup", difficulty=prompt["difficulty"])
 
 

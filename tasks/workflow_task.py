@@ -23,7 +23,7 @@ The warm-start mix imitates report 001's starting point (570 outputs: 57.2% vali
 share we give the best workflow probability BEST_SHARE_OF_VALID; the report does not say
 how often the 0.2-or-1.0 patterns were right, so that number is our choice.
 
-The task's interface to train.py and models/policy.py is tasks.Task (tool_task.py has it too).
+The task's interface to train.py, warm_start.py and models/policy.py is tasks.Task (tool_task.py has it too).
 """
 import random
 
@@ -135,14 +135,14 @@ def warmstart_completion(ptype: str, rng: random.Random) -> str:
 
 def warmstart_batch(rng: random.Random, n: int, difficulty: int = 1) -> list[list[tuple[str, bool]]]:
     """n supervised examples, each a list of (text, trained) segments: the prompt (not
-    trained on) and a completion from the mix (trained on, its EOS added by models/policy.py)."""
+    trained on) and a completion from the mix (trained on, its EOS added by warm_start.sft_rows)."""
     chosen = rng.choices(make_prompts("train"), k=n)
     return [[(p["text"], False), (warmstart_completion(p["type"], rng), True)] for p in chosen]
 
 
 def answer(prompt: dict) -> list[tuple[str, bool]]:
     """The right completion for a prompt, as (text, trained) segments: the best workflow
-    (the held-out answer NLL's text: running.session.answer_nll)."""
+    (the held-out answer NLL's text: warm_start.answer_nll)."""
     return [(prompt["text"], False), (prompt["best"], True)]
 
 

@@ -7,6 +7,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import logprobs
 from conftest import synthetic_batch, tiny_model
 from logprobs import Tokens
+import warm_start
 
 
 @pytest.mark.lesson
@@ -112,10 +113,10 @@ def test_a_model_with_an_unknown_logit_transform_is_detected_and_refused(tmp_pat
         gemma.get_output_embeddings().weight.mul_(20)          # logits the soft-cap changes
     gemma.save_pretrained(folder)
     policy.build_tokenizer(["a", "b"]).save_pretrained(folder)
-    policy.real_policy(None, folder, policy.WarmStart(steps=0), tmp_path / "cache")     # reproduced: loads
+    policy.real_policy(None, folder, warm_start.WarmStart(steps=0), tmp_path / "cache")     # reproduced: loads
     monkeypatch.setattr(logprobs, "head_logits", lambda m, h: m.get_output_embeddings()(h).float())
     with pytest.raises(policy.ModelError, match="transforms its logits"):
-        policy.real_policy(None, folder, policy.WarmStart(steps=0), tmp_path / "cache")
+        policy.real_policy(None, folder, warm_start.WarmStart(steps=0), tmp_path / "cache")
 
 
 def test_under_bf16_autocast_the_heads_run_in_float32_on_a_large_vocabulary():

@@ -23,6 +23,7 @@ import logprobs
 from lab import main as lab
 from models import policy, pretrained
 import train
+import warm_start
 from tasks import workflow_task
 from conftest import configure, quick
 
@@ -313,18 +314,18 @@ def test_a_full_disk_at_a_checkpoint_is_said_and_survived(tmp_path, monkeypatch,
 
 
 def test_two_runs_warming_up_one_cache_entry_at_once_share_the_winner_s(tmp_path, monkeypatch):
-    args = (workflow_task, 16, 1, policy.WarmStart(5, 3e-3, 8, 0))
+    args = (workflow_task, 16, 1, warm_start.WarmStart(5, 3e-3, 8, 0))
     first, _ = policy.tiny_policy(*args, tmp_path / "cache", log=lambda s: None)
     entry = next(p for p in (tmp_path / "cache").iterdir())
     shutil.copytree(entry, tmp_path / "winner")
     shutil.rmtree(entry)
-    real = policy.warm_start
+    real = warm_start.fit
 
     def racing(*a, **kw):                                   # the other run finishes first
         losses = real(*a, **kw)
         shutil.copytree(tmp_path / "winner", entry)
         return losses
-    monkeypatch.setattr(policy, "warm_start", racing)
+    monkeypatch.setattr(warm_start, "fit", racing)
     said = []
     model, _ = policy.tiny_policy(*args, tmp_path / "cache", log=said.append)
     assert any("another run cached" in s for s in said)

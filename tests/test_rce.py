@@ -20,6 +20,7 @@ import tool_env
 from tasks import tool_task
 import train
 import update
+import warm_start
 from tasks import workflow_task
 from conftest import quick, synthetic_batch, tiny_model
 
@@ -157,7 +158,7 @@ def test_longest_common_subsequence_against_brute_force():
 # ---- the held-out loss: a right answer's NLL ----
 
 def test_answer_nll_equals_a_plain_loop_over_the_answer_tokens(tmp_path):
-    model, tok = policy.tiny_policy(workflow_task, 16, 1, policy.WarmStart(steps=5), tmp_path, log=lambda s: None)
+    model, tok = policy.tiny_policy(workflow_task, 16, 1, warm_start.WarmStart(steps=5), tmp_path, log=lambda s: None)
     prompts = workflow_task.prompts("eval")[:3]
     total, count = 0.0, 0
     for p in prompts:
@@ -169,7 +170,7 @@ def test_answer_nll_equals_a_plain_loop_over_the_answer_tokens(tmp_path):
         for j, token in enumerate(answer):              # position len(prompt)+j-1 predicts it
             total -= logp[len(prompt) + j - 1, token].item()
             count += 1
-    got = session.answer_nll(rollout.Models(model, tok), workflow_task, prompts)
+    got = warm_start.answer_nll(rollout.Models(model, tok), workflow_task, prompts)
     assert got == pytest.approx(total / count, rel=1e-4)
 
 

@@ -38,9 +38,10 @@ from tasks import tool_task
 from tasks import workflow_task
 import tool_env
 from tool_env import STOP_STRINGS
+import warm_start
 
 ROOT = Path(__file__).parent.parent
-WARM = policy.WarmStart(steps=10, lr=1e-4, batch=8, seed=0)     # a third of the default: CI's time
+WARM = warm_start.WarmStart(steps=10, lr=1e-4, batch=8, seed=0)     # a third of the default: CI's time
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def folder():
 @pytest.fixture(scope="module")
 def base(folder):
     torch.manual_seed(0)
-    model, tok = policy.real_policy(None, folder, policy.WarmStart(steps=0), Path("unused"))
+    model, tok = policy.real_policy(None, folder, warm_start.WarmStart(steps=0), Path("unused"))
     policy.disable_dropout(model)
     return rollout.Models(model, tok, None, None)
 

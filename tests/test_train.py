@@ -9,6 +9,7 @@ import tasks
 import grpo
 from models import policy
 import train
+import warm_start
 from tasks import workflow_task
 from conftest import configure, WARM_STARTS, quick
 
@@ -49,7 +50,7 @@ def test_same_seed_gives_identical_metrics(tmp_path):
 
 def test_a_local_model_folder_loads_with_model_flag(tmp_path):
     # Any local causal LM folder works; here, the tiny model saved the way users save theirs.
-    model, tok = policy.tiny_policy(workflow_task, 16, 1, policy.WarmStart(10, 3e-3, 16, 0), tmp_path / "cache",
+    model, tok = policy.tiny_policy(workflow_task, 16, 1, warm_start.WarmStart(10, 3e-3, 16, 0), tmp_path / "cache",
                                     log=lambda s: None)
     model.save_pretrained(tmp_path / "local")
     tok.save_pretrained(tmp_path / "local")
@@ -172,7 +173,7 @@ def test_a_checkpoint_given_as_model_keeps_its_tokenizer_every_sample_round_trip
     of report 001 would be classed as junk."""
     train.train(config.parse_config(quick(tmp_path, "run", "--save-every", "3", "--steps", "6")))
     ckpt = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
-    _, tok = policy.real_policy(workflow_task, ckpt, policy.WarmStart(steps=0), tmp_path / "cache", log=lambda s: None)
+    _, tok = policy.real_policy(workflow_task, ckpt, warm_start.WarmStart(steps=0), tmp_path / "cache", log=lambda s: None)
     built = policy.build_tokenizer(workflow_task.vocabulary())
     texts = [s["text"] for line in open(tmp_path / "run" / "samples.jsonl") for s in json.loads(line)["samples"]]
     assert len(texts) > 20 and any(t.startswith("### Step") for t in texts)

@@ -1,4 +1,4 @@
-"""The warm start's loss without the vocabulary-wide logits (models/policy.py, sft_loss_sum):
+"""The warm start's loss without the vocabulary-wide logits (warm_start.py, sft_loss_sum):
 the same loss and gradient as `model(labels=...)`, in micro-batches or not."""
 import pytest
 import torch
@@ -7,8 +7,10 @@ from transformers import Qwen2ForCausalLM
 from conftest import tiny_model
 from models import policy
 from tasks import tool_task
+import warm_start
 
 
+@pytest.mark.lesson
 def test_the_lean_loss_equals_transformers_own_and_micro_batches_add_up():
     model = tiny_model(2)
     ids = torch.randint(2, 20, (4, 9), generator=torch.Generator().manual_seed(0))
@@ -24,7 +26,7 @@ def test_the_lean_loss_equals_transformers_own_and_micro_batches_add_up():
     tokens = (labels[:, 1:] != -100).sum()
     total = 0.0
     for i in (0, 2):                                                 # two micro-batches of 2
-        part = policy.sft_loss_sum(model, ids[i:i + 2], mask[i:i + 2], labels[i:i + 2]) / tokens
+        part = warm_start.sft_loss_sum(model, ids[i:i + 2], mask[i:i + 2], labels[i:i + 2]) / tokens
         part.backward()
         total += part.item()
     assert abs(total - reference.item()) < 1e-5 * reference.item()
@@ -38,5 +40,5 @@ def test_a_warm_start_in_micro_batches_takes_the_whole_batchs_steps():
     for micro in (0, 3):                      # transformers' loss on all 8, ours on 3 + 3 + 2
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, tool_task.MAX_POSITIONS))
-        losses[micro] = policy.warm_start(tool_task, model, tok, policy.WarmStart(4, 3e-3, 8, micro_batch=micro))
+        losses[micro] = warm_start.fit(tool_task, model, tok, warm_start.WarmStart(4, 3e-3, 8, micro_batch=micro))
     assert losses[0] == pytest.approx(losses[3], rel=1e-5)

@@ -47,6 +47,7 @@ import torch
 import lora
 from models import pretrained
 from running import config, report
+import warm_start
 
 loading.loaded()                          # from here a KeyboardInterrupt stops a run's subprocess first
 
@@ -74,7 +75,7 @@ def build(cfg: dict, model_name: str = ""):
     if model_name:
         from models import pretrained
         folder = pretrained.resolve(model_name, pretrained.default_cache(), log=lambda s: print(s, file=sys.stderr))
-        return policy.real_policy(None, folder, policy.WarmStart(steps=0), policy.CACHE)
+        return policy.real_policy(None, folder, warm_start.WarmStart(steps=0), policy.CACHE)
     tok = policy.build_tokenizer([f"w{i}" for i in range(cfg["vocab"] - len(policy.SPECIAL))])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(policy.tiny_config(tok, cfg["hidden"], cfg["layers"], 1024,
@@ -315,8 +316,8 @@ def run_warmstart(model_name: str, task_name: str, steps: int, micro: int) -> di
     model, tok = build({}, model_name)
     loaded = rss_mb("VmHWM")
     t0 = time.perf_counter()
-    warm = dataclasses.replace(policy.WARM_START["real"], steps=steps, micro_batch=micro)
-    losses = policy.warm_start(real_task(task_name), model, tok, warm)
+    warm = dataclasses.replace(warm_start.DEFAULTS["real"], steps=steps, micro_batch=micro)
+    losses = warm_start.fit(real_task(task_name), model, tok, warm)
     return dict(loaded_mb=loaded, peak_mb=rss_mb("VmHWM"), seconds=time.perf_counter() - t0, losses=losses)
 
 
