@@ -9,7 +9,9 @@ Prompts are left-padded, completions right-padded (rollout.py).
 rollout.py calls completion_logprobs to record old and reference log-probs, grpo.py and
 ppo.py call it again in the update (through a `Scorer`); one function, so the ratio compares
 like with like. It runs the head in float32 with the model's own logit post-processing
-(head_logits), checked against the model's forward when a model is loaded (check_logprobs).
+(head_logits), checked against the model's forward when a model is loaded (check_logprobs),
+and with every dropout off for the whole RL phase (disable_dropout): the same weights must give
+the same log-probs, or the first epoch's ratio is not 1 and the KL is noise.
 """
 from typing import NamedTuple
 
@@ -203,3 +205,29 @@ def left_pad(rows: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tenso
     """Token lists -> (ids, attention) (n, L), padded on the left."""
     return pad(rows, pad_id, left=True, device=device), \
         pad([[1] * len(r) for r in rows], 0, left=True, device=device)
+
+
+# ---- the same weights give the same log-probs: no dropout in RL ----
+
+def disable_dropout(model) -> int:
+    """Switch off every dropout of the model, for the whole RL phase; returns how many were on.
+
+    RL compares log-probs of the same weights: the update's against those recorded when
+    sampling (in eval mode), and the policy's against the reference's. With dropout on
+    during the update (model.train()), the first epoch's ratio is no longer 1, clipping bites
+    on noise, and the KL to the reference is noise too (TRL's disable_dropout=True, for the
+    same reason). Dropout lives in nn.Dropout modules (GPT-2: attention, residuals,
+    embeddings), in float attributes read at forward time (Qwen2's attention_dropout), and in
+    the config some models read while running: all three are set to 0."""
+    on = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p, on = 0.0, on + 1
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                on += 1
+    for name, value in model.config.to_dict().items():
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+            setattr(model.config, name, 0.0)
+    return on

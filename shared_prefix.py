@@ -167,3 +167,10 @@ def mismatch(model, tokens: int = 12) -> float:
     finally:
         model.train(was_training)
     return ((shared - expected) * c_mask).abs().max().item()
+
+
+def refused(model) -> str | None:
+    """Why this model's forward cannot share a prompt over rows (mismatch above 1e-3), or None."""
+    error = mismatch(model)
+    return None if error < 1e-3 else (f"{type(model).__name__}'s cache cannot be shared over rows (log-probs "
+                                      f"off by {error:.3g}); every sequence encodes its own prompt")

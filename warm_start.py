@@ -101,7 +101,8 @@ def fit(task, model, tok, warm: WarmStart, log=None) -> list[float]:
     token mean of each step's NLL, as `model(labels=...).loss`). With warm.micro_batch (a
     real model), each step's examples go through the model that many at a time, each part's
     summed NLL over the whole step's labelled tokens (sft_loss_sum), so the gradients add up
-    to the whole batch's. log: where to say how far it is, at each quarter (it takes minutes)."""
+    to the whole batch's. log: where to say how far it is, at each quarter (it takes minutes),
+    and what it did."""
     rng = random.Random(warm.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=warm.lr)
     device = next(model.parameters()).device
@@ -128,6 +129,10 @@ def fit(task, model, tok, warm: WarmStart, log=None) -> list[float]:
             loss = loss.item()
         opt.step()
         losses.append(loss)
+    if log:
+        log(f"warm-start ({type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters): "
+            f"{warm.steps} supervised steps of {warm.batch} in {time.time() - t0:.1f}s"
+            + (f", loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else ""))
     return losses
 
 
@@ -147,3 +152,13 @@ def answer_nll(models, task, prompts: list) -> float:
         total += sft_loss_sum(model, ids, mask, labels).item()
         tokens += int((labels[:, 1:] != -100).sum())
     return total / max(tokens, 1)
+
+
+def overtrained(rows: list) -> bool:
+    """Report 003's over-training, read off a run's metrics rows: the held-out answer NLL ends at
+    least 10% above its lowest evaluation while the training prompts' NLL at the end is no higher
+    than at that evaluation (the training loss holds or falls as the held-out loss rises)."""
+    rows = [x for x in rows if x.get("eval_answer_nll") is not None]
+    low = min(rows, key=lambda x: x["eval_answer_nll"])
+    return rows[-1]["eval_answer_nll"] >= 1.1 * low["eval_answer_nll"] and \
+        rows[-1]["train_answer_nll"] <= low["train_answer_nll"]

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import monitor
+import warm_start
 from lab import compare, stats
 from lab.common import mean
 from running import config, report
@@ -481,12 +482,7 @@ def real_rce_grpo(lab: RealLab, log=print) -> dict:
 
     # 3. over-training: GRPO-only's held-out answer NLL ends >= 10% above its lowest evaluation
     #    while the training prompts' NLL at the end is no higher than at that evaluation
-    def diverged(run):
-        rows = [x for x in report.read_metrics(Path(run["out"])) if x.get("eval_answer_nll") is not None]
-        low = min(rows, key=lambda x: x["eval_answer_nll"])
-        return rows[-1]["eval_answer_nll"] >= 1.1 * low["eval_answer_nll"] and \
-            rows[-1]["train_answer_nll"] <= low["train_answer_nll"]
-    over = sum(diverged(r) for r in runs["GRPO-only"])
+    over = sum(warm_start.overtrained(report.read_metrics(Path(r["out"]))) for r in runs["GRPO-only"])
     # 4. early stopping pays: in at least half the GRPO-only and RCE -> GRPO runs the best
     #    held-out evaluation is >= 0.05 above the end's (stopping there keeps something better)
     both = runs["GRPO-only"] + runs["RCE -> GRPO"]

@@ -4,6 +4,8 @@ import json
 import statistics
 from pathlib import Path
 
+import warm_start
+
 from lab import compare
 from lab import figures
 from lab import stats
@@ -165,12 +167,7 @@ def rce_grpo(lab: Lab) -> dict:
     recovered = sum(a > b for a, b in zip(overall["RCE -> GRPO"], overall["RCE-only"]))
     # claim 3, over-training: GRPO-only's held-out answer NLL ends >= 10% above its lowest
     # evaluation while the training prompts' NLL at the end is no higher than at that evaluation
-    def diverged(run):
-        rows = [x for x in metric_rows(run) if x.get("eval_answer_nll") is not None]
-        low = min(rows, key=lambda x: x["eval_answer_nll"])
-        return rows[-1]["eval_answer_nll"] >= 1.1 * low["eval_answer_nll"] and \
-            rows[-1]["train_answer_nll"] <= low["train_answer_nll"]
-    over = sum(diverged(x) for x in runs["GRPO-only"])
+    over = sum(warm_start.overtrained(metric_rows(x)) for x in runs["GRPO-only"])
     # claim 4: early stopping's kept checkpoint at least as good as the run's end, both pipelines
     gain = {p: mean(overall[f"{p}, early stop"]) - mean(overall[p]) for p in ("GRPO-only", "RCE -> GRPO")}
     verdicts = [("RCE-only below the warm start", below >= n - 1),

@@ -130,11 +130,6 @@ def cached(path: Path, build, log=print):
     return model, tok
 
 
-def log_warm_start(log, what: str, warm: warm_start.WarmStart, losses: list, seconds: float) -> None:
-    log(f"warm-start ({what}): {warm.steps} supervised steps of {warm.batch} in {seconds:.1f}s, "
-        f"loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else f"warm-start ({what}): 0 steps")
-
-
 def tiny_policy(task, hidden: int, layers: int, warm: warm_start.WarmStart, cache_dir: Path, log=print):
     """The tiny default policy for a task, warm-started, from the cache when it is there."""
     def build():
@@ -142,10 +137,7 @@ def tiny_policy(task, hidden: int, layers: int, warm: warm_start.WarmStart, cach
         torch.manual_seed(warm.seed)
         from transformers import Qwen2ForCausalLM
         model = Qwen2ForCausalLM(tiny_config(tok, hidden, layers, task.MAX_POSITIONS))
-        t0 = time.time()
-        losses = warm_start.fit(task, model, tok, warm, log)
-        log_warm_start(log, f"tiny Qwen2, {sum(p.numel() for p in model.parameters()):,} parameters",
-                       warm, losses, time.time() - t0)
+        warm_start.fit(task, model, tok, warm, log)
         return model, tok
     settings = dict(hidden=hidden, layers=layers, sft_steps=warm.steps, sft_lr=warm.lr,
                     sft_batch=warm.batch, seed=warm.seed)
@@ -180,10 +172,7 @@ def real_policy(task, folder: Path, warm: warm_start.WarmStart, cache_dir: Path,
 
     def build():
         model, tok = load()
-        t0 = time.time()
-        losses = warm_start.fit(task, model, prepare_tokenizer(tok), warm, log)
-        log_warm_start(log, f"{type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} "
-                       f"parameters", warm, losses, time.time() - t0)
+        warm_start.fit(task, model, prepare_tokenizer(tok), warm, log)
         return model, tok
     if warm.steps > 0:
         identity = {"model": str(Path(folder).resolve()), "config": (Path(folder) / "config.json").read_text(),
@@ -204,30 +193,6 @@ def prepare_tokenizer(tok):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def disable_dropout(model) -> int:
-    """Switch off every dropout of the model, for the whole RL phase; returns how many were on.
-
-    RL compares log-probs of the same weights: the update's against those recorded when
-    sampling (in eval mode), and the policy's against the reference's. With dropout on
-    during the update (model.train()), the first epoch's ratio is no longer 1, clipping bites
-    on noise, and the KL to the reference is noise too (TRL's disable_dropout=True, for the
-    same reason). Dropout lives in nn.Dropout modules (GPT-2: attention, residuals,
-    embeddings), in float attributes read at forward time (Qwen2's attention_dropout), and in
-    the config some models read while running: all three are set to 0."""
-    on = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            module.p, on = 0.0, on + 1
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float) and value > 0:
-                setattr(module, name, 0.0)
-                on += 1
-    for name, value in model.config.to_dict().items():
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
-            setattr(model.config, name, 0.0)
-    return on
 
 
 # ---- bf16 autocast: only where it is faster ----
@@ -284,7 +249,7 @@ def load(cfg, task, device: str, log, init: dict | None = None):
         except ValueError as e:
             raise ModelError(f"--init-from: {init['path']!r}: {e}") from e
         log(f"--init-from: the policy starts from {init['path']}")
-    off = disable_dropout(model)            # RL's ratios and KLs need a deterministic forward
+    off = logprobs.disable_dropout(model)   # RL's ratios and KLs need a deterministic forward
     if off:
         log(f"dropout: switched off in {off} places for RL")
     return model.to(device), tok

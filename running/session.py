@@ -288,12 +288,10 @@ def sampling(cfg: Config, model, log) -> tasks.Sampling:
     """tasks.Sampling.of(cfg); the shared-prefix forward only where this model's cache can be
     shared over rows (else said in one line)."""
     chosen = tasks.Sampling.of(cfg)
-    if chosen.shared_prefix:
-        error = shared_prefix.mismatch(model)
-        if not error < 1e-3:
-            log(f"shared prefix: off: {type(model).__name__}'s cache cannot be shared over rows (log-probs off "
-                f"by {error:.3g}); every sequence encodes its own prompt")
-            chosen = dataclasses.replace(chosen, shared_prefix=False)
+    why = chosen.shared_prefix and shared_prefix.refused(model)
+    if why:
+        log(f"shared prefix: off: {why}")
+        chosen = dataclasses.replace(chosen, shared_prefix=False)
     return chosen
 
 

@@ -150,19 +150,18 @@ def first_epoch_ratio_stats(model):
 
 @pytest.mark.lesson
 def test_with_dropout_disabled_the_first_epoch_ratio_is_exactly_one():
-    from models import policy
     noisy = first_epoch_ratio_stats(gpt2_model())
     assert noisy["approx_kl"] > 1e-4                      # GPT-2's 0.1 dropouts: ratio != 1 at once
     model = gpt2_model()
-    assert policy.disable_dropout(model) > 0
+    assert logprobs.disable_dropout(model) > 0
     exact = first_epoch_ratio_stats(model)
     assert exact["approx_kl"] == 0.0 and exact["clip_frac"] == 0.0
-    assert policy.disable_dropout(model) == 0             # nothing left on
+    assert logprobs.disable_dropout(model) == 0             # nothing left on
     # Qwen2 keeps its attention dropout in a float attribute, not an nn.Dropout
     cfg = tiny_model().config
     cfg.attention_dropout = 0.5
     qwen = Qwen2ForCausalLM(cfg)
-    assert policy.disable_dropout(qwen) == 1 and qwen.config.attention_dropout == 0.0
+    assert logprobs.disable_dropout(qwen) == 1 and qwen.config.attention_dropout == 0.0
     assert first_epoch_ratio_stats(qwen)["approx_kl"] == 0.0
 
 

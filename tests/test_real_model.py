@@ -53,7 +53,7 @@ def folder():
 def base(folder):
     torch.manual_seed(0)
     model, tok = policy.real_policy(None, folder, warm_start.WarmStart(steps=0), Path("unused"))
-    policy.disable_dropout(model)
+    logprobs.disable_dropout(model)
     return rollout.Models(model, tok, None, None)
 
 
@@ -62,7 +62,7 @@ def warm(folder, tmp_path_factory):
     """The DSL warm start (10 steps), saved as a model folder train.py can load."""
     cache = tmp_path_factory.mktemp("warm")
     model, tok = policy.real_policy(workflow_task, folder, WARM, cache)
-    policy.disable_dropout(model)
+    logprobs.disable_dropout(model)
     saved = next(p for p in cache.iterdir() if (p / "config.json").exists())    # the cache entry
     return rollout.Models(model, tok, None, None), saved
 

@@ -42,3 +42,18 @@ def test_a_warm_start_in_micro_batches_takes_the_whole_batchs_steps():
         model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, tool_task.MAX_POSITIONS))
         losses[micro] = warm_start.fit(tool_task, model, tok, warm_start.WarmStart(4, 3e-3, 8, micro_batch=micro))
     assert losses[0] == pytest.approx(losses[3], rel=1e-5)
+
+
+def test_overtrained_is_report_003s_rising_held_out_loss_with_a_training_loss_that_does_not_rise():
+    """The held-out answer NLL ends >= 10% above its lowest evaluation (step 2's 1.0 here) while
+    the training answer NLL ends no higher than at that evaluation: hand-made rows, each side of
+    each line."""
+    def rows(end_eval, end_train):
+        return [{"step": 0, "eval_answer_nll": 1.5, "train_answer_nll": 1.6}, {"step": 1, "loss": 0.3},
+                {"step": 2, "eval_answer_nll": 1.0, "train_answer_nll": 0.9},
+                {"step": 3, "eval_answer_nll": end_eval, "train_answer_nll": end_train}]
+    assert warm_start.overtrained(rows(1.1, 0.9))            # exactly 10% above, training loss held
+    assert warm_start.overtrained(rows(1.3, 0.5))
+    assert not warm_start.overtrained(rows(1.09, 0.5))       # under 10% above
+    assert not warm_start.overtrained(rows(1.3, 0.91))       # the training loss rose too
+    assert not warm_start.overtrained(rows(0.8, 0.5))        # the end is the lowest
