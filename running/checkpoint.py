@@ -278,14 +278,19 @@ def starting_point(run_dir: Path) -> Path | None:
 
 
 def is_busy(run_dir: Path) -> bool:
-    """Whether a run is writing in run_dir now (it holds RUN/.lock)."""
+    """Whether a run is writing in run_dir now (it holds RUN/.lock). The probe's lock is a shared
+    one: two runs starting --init-from the same parent at once each saw the other's probe as the
+    parent running."""
     if not (Path(run_dir) / ".lock").exists():
         return False
+    fd = os.open(Path(run_dir) / ".lock", os.O_RDONLY)
     try:
-        with run_lock(run_dir):
-            return False
-    except RunBusy:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
         return True
+    finally:
+        os.close(fd)
 
 
 def weights_sha256(ckpt: Path) -> str:

@@ -731,6 +731,25 @@ def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_
     assert proc.returncode == 2 and "is gone" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_two_runs_starting_from_one_parent_at_once_do_not_see_each_other_as_the_parent(tmp_path):
+    """checkpoint.is_busy probed with the run's own exclusive lock: two children of one parent
+    validating at the same moment (the lab's pooled seeds) saw each other's probe as the parent
+    still running, and one exited 2. A probe held open stands in for the other child's."""
+    import fcntl
+    import os
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    with checkpoint.run_lock(parent):
+        assert checkpoint.is_busy(parent)                              # the parent writing: busy
+    fd = os.open(parent / ".lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)                 # the other child's probe, mid-way
+        assert not checkpoint.is_busy(parent)
+    finally:
+        os.close(fd)
+    assert not checkpoint.is_busy(parent)
+
+
 def test_a_damaged_named_model_cache_is_set_aside_and_converted_again(tmp_path, monkeypatch, capsys):
     """a damaged SmolLM2 cache (no config.json, or its weights cut short) gave a
     traceback, then "Directory not empty" on the retry. The fetch and conversion are stood in
