@@ -9,9 +9,10 @@ Prompts are left-padded, completions right-padded (rollout.py).
 rollout.py calls completion_logprobs to record old and reference log-probs, grpo.py and
 ppo.py call it again in the update (through a `Scorer`); one function, so the ratio compares
 like with like. It runs the head in float32 with the model's own logit post-processing
-(head_logits), checked against the model's forward when a model is loaded (check_logprobs),
-and with every dropout off for the whole RL phase (disable_dropout): the same weights must give
-the same log-probs, or the first epoch's ratio is not 1 and the KL is noise.
+(head_logits), checked against the model's forward when a model is loaded (check_logprobs; the
+shared-prefix forward against the plain one: check_shared_prefix), and with every dropout off
+for the whole RL phase (disable_dropout): the same weights must give the same log-probs, or the
+first epoch's ratio is not 1 and the KL is noise.
 """
 from typing import NamedTuple
 
@@ -205,6 +206,37 @@ def left_pad(rows: list, pad_id: int, device) -> tuple[torch.Tensor, torch.Tenso
     """Token lists -> (ids, attention) (n, L), padded on the left."""
     return pad(rows, pad_id, left=True, device=device), \
         pad([[1] * len(r) for r in rows], 0, left=True, device=device)
+
+
+@torch.no_grad()
+def check_shared_prefix(model, tokens: int = 12) -> float:
+    """Largest |difference| between log-probs from the shared-prefix forward and the plain
+    one, on random tokens (two prompts of different padding, two completions each, one cut
+    short): ~1e-6 where the model's cache can be shared over rows; inf where the shared
+    forward fails outright (a cache without reorder_cache, a model that rejects it)."""
+    ids = probe_ids(model, 2, 2 * tokens)                          # (2, 2T)
+    prompt, completion = ids[:, :tokens].repeat_interleave(2, 0), ids[:, tokens:].repeat_interleave(2, 0)
+    p_mask, c_mask = torch.ones_like(prompt), torch.ones_like(completion)  # (4, T) each
+    p_mask[2:, :3] = 0                                # the second prompt left-padded
+    c_mask[1, tokens // 2:] = 0                       # a completion that ended early
+    plain = Tokens(prompt, p_mask, completion, c_mask)
+    was_training = model.training
+    model.eval()                                      # as sampling runs; the mode is given back
+    try:
+        shared, _ = completion_logprobs(model, plain._replace(share=True))
+        expected, _ = completion_logprobs(model, plain)
+    except (AttributeError, TypeError, ValueError, RuntimeError, IndexError):
+        return float("inf")
+    finally:
+        model.train(was_training)
+    return ((shared - expected) * c_mask).abs().max().item()
+
+
+def shared_prefix_refused(model) -> str | None:
+    """Why this model's forward cannot share a prompt over rows (check_shared_prefix above 1e-3), or None."""
+    error = check_shared_prefix(model)
+    return None if error < 1e-3 else (f"{type(model).__name__}'s cache cannot be shared over rows (log-probs "
+                                      f"off by {error:.3g}); every sequence encodes its own prompt")
 
 
 # ---- the same weights give the same log-probs: no dropout in RL ----

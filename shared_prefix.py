@@ -38,8 +38,8 @@ each completion still attends to all P prompt keys, and the prompt's keys are co
 
 A model whose cache cannot be copied over rows this way (a recurrent state, a sliding window
 that drops the prompt, a model that ignores past_key_values) would give wrong log-probs:
-`mismatch` measures it on random tokens when a model is loaded, and the run falls back to the
-plain forward (running/session.py says so in one line). `python -m tools.bench --model
+`logprobs.check_shared_prefix` measures it on random tokens when a model is loaded, and the run
+falls back to the plain forward (running/session.py says so in one line). `python -m tools.bench --model
 smollm2-135m` times both; `tests/test_shared_prefix.py` checks log-probs, entropies, the loss
 and every gradient against the plain forward.
 """
@@ -142,35 +142,3 @@ def worth_it(tokens) -> bool:
         return False
     rows, inverse = distinct_prompts(tokens.prompt_ids, tokens.prompt_mask)
     return len(rows) < len(inverse)
-
-
-@torch.no_grad()
-def mismatch(model, tokens: int = 12) -> float:
-    """Largest |difference| between log-probs from the shared-prefix forward and the plain
-    one, on random tokens (two prompts of different padding, two completions each, one cut
-    short): ~1e-6 where the model's cache can be shared over rows; inf where the shared
-    forward fails outright (a cache without reorder_cache, a model that rejects it)."""
-    import logprobs                                   # here: logprobs imports this lesson
-    ids = logprobs.probe_ids(model, 2, 2 * tokens)                          # (2, 2T)
-    prompt, completion = ids[:, :tokens].repeat_interleave(2, 0), ids[:, tokens:].repeat_interleave(2, 0)
-    p_mask, c_mask = torch.ones_like(prompt), torch.ones_like(completion)  # (4, T) each
-    p_mask[2:, :3] = 0                                # the second prompt left-padded
-    c_mask[1, tokens // 2:] = 0                       # a completion that ended early
-    plain = logprobs.Tokens(prompt, p_mask, completion, c_mask)
-    was_training = model.training
-    model.eval()                                      # as sampling runs; the mode is given back
-    try:
-        shared, _ = logprobs.completion_logprobs(model, plain._replace(share=True))
-        expected, _ = logprobs.completion_logprobs(model, plain)
-    except (AttributeError, TypeError, ValueError, RuntimeError, IndexError):
-        return float("inf")
-    finally:
-        model.train(was_training)
-    return ((shared - expected) * c_mask).abs().max().item()
-
-
-def refused(model) -> str | None:
-    """Why this model's forward cannot share a prompt over rows (mismatch above 1e-3), or None."""
-    error = mismatch(model)
-    return None if error < 1e-3 else (f"{type(model).__name__}'s cache cannot be shared over rows (log-probs "
-                                      f"off by {error:.3g}); every sequence encodes its own prompt")

@@ -27,8 +27,7 @@ from pathlib import Path
 import monitor
 from lab import collapse, compare, stats
 from lab.collapse import BEST, ONE_ANSWER, VALID
-from lab.common import Lab, mean
-from lab.real import COLLAPSED
+from lab.common import COLLAPSED, Lab, mean
 from running import report
 
 WINDOW, SMOOTH = 10, 5        # the running windows: the history a spike or fall is measured against, a smoothed value

@@ -27,7 +27,7 @@ from pathlib import Path
 import monitor
 import warm_start
 from lab import compare, stats
-from lab.common import mean
+from lab.common import COLLAPSED, mean
 from running import config, report
 from tasks import workflow_task
 
@@ -36,7 +36,6 @@ POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # see
            "real_rollback": 10}
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
-COLLAPSED = 0.9       # eval_one_answer at or above this: one answer for (nearly) every prompt
 
 # (experiment, label) -> train.py flags ({stage1}: that seed's stage-1 run). Micro-batches of
 # one group (K sequences; two episodes on the tool task) keep the peak memory of a step under
@@ -403,34 +402,6 @@ def at_warm_start(runs: dict) -> str:
     rs = [r for group in runs.values() for r in group]
     return (f"at the warm start (a frozen policy): held-out best {compare.spread([at_start(r, 'eval_best_rate') for r in rs])}, "
             f"one answer {compare.spread([at_start(r, 'eval_one_answer') for r in rs])}")
-
-
-def one_answer_census(root: Path) -> dict:
-    """Lesson 10's counts over root's DSL runs of the 3-seed experiments (the POWERED ones log 64
-    held-out samples an evaluation, not 16, and are still running): how many end with one text
-    for every logged held-out sample, whose best workflow that text is, at which evaluation it
-    first happened, their last five steps' share of groups with one reward and token entropy,
-    and how many end at held-out best 0.25 without being quite one text."""
-    owner = {text: ptype for ptype, text in workflow_task.BEST_WORKFLOW.items()}
-    out = {"runs": 0, "one_text": 0, "by_type": {}, "first_step": [], "quarter_not_one": 0, "zero_std": [],
-           "entropy": []}
-    for summary in sorted(root.glob("*/runs/*/s*/summary.json")):
-        if summary.parts[-5] in POWERED or json.loads((summary.parent / "config.json").read_text())["task"] != "dsl":
-            continue
-        rows = [json.loads(line) for line in (summary.parent / "samples.jsonl").read_text().splitlines()]
-        evals = [(r["step"], {x["text"] for x in r["samples"]}) for r in rows if r["split"] == "eval"]
-        out["runs"] += 1
-        if len(evals[-1][1]) == 1:
-            out["one_text"] += 1
-            kind = owner.get(next(iter(evals[-1][1])), "none")
-            out["by_type"][kind] = out["by_type"].get(kind, 0) + 1
-            out["first_step"].append(next(step for step, texts in evals if len(texts) == 1))
-            last = report.read_metrics(summary.parent)[-5:]          # its last five steps
-            out["zero_std"].append(mean(r.get("frac_reward_zero_std") for r in last))
-            out["entropy"].append(mean(r.get("entropy") for r in last))
-        elif json.loads(summary.read_text())["eval_best_rate_end"] == 0.25:
-            out["quarter_not_one"] += 1
-    return out
 
 
 # ---- report 000: sparse against shaped reward for tool calls ----

@@ -10,8 +10,8 @@ next to it, before the first run.
 """
 from lab import compare
 from lab.collapse import end_entropy
-from lab.common import mean
-from lab.real import COLLAPSED, SETTINGS, RealLab, spread, write_table
+from lab.common import COLLAPSED, mean
+from lab.real import SETTINGS, RealLab, spread, write_table
 
 BASELINE = ("real_group_size", "K=8, B=3")
 BONUS = ("real_group_size", "K=8, B=3, entropy bonus 0.01")

@@ -26,6 +26,9 @@ import random
 import statistics
 from pathlib import Path
 
+from lab import common
+from lab.common import COLLAPSED
+
 ALPHA = 0.05
 RESAMPLES = 20000
 
@@ -202,7 +205,6 @@ REAL_AFTER_THE_FACT = (
 def real_after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, str]]:
     """REAL_AFTER_THE_FACT's comparisons of one SUMMARY entry, tested on the runs under root:
     (what is claimed, p, the phrase) each."""
-    from lab.real import COLLAPSED                   # what "ended on one answer" means in the real-model lab
     out = []
     for entry, name, first, second, kind in REAL_AFTER_THE_FACT:
         if entry != experiment:
@@ -354,8 +356,7 @@ def main() -> None:
     for entry in ("real_group_size", "real_entropy_collapse"):   # the tests SUMMARY.md prints beside them
         for _, _, line in real_after_the_fact(REAL, entry):
             print(f"  {line}")
-    from lab.real import one_answer_census
-    c = one_answer_census(REAL)
+    c = common.one_answer_census(REAL)
     print(f"  SmolLM2 DSL runs ending with one text for every logged held-out sample (Lesson 10): "
           f"{c['one_text']} of {c['runs']}, by whose best workflow it is {c['by_type']}; first so at steps "
           f"{sorted(c['first_step'])}; over their last five steps, groups with one reward (median) "

@@ -31,7 +31,6 @@ import lora
 import monitor
 import mismatch
 import rollout
-import shared_prefix
 import tasks
 import warm_start
 from models import policy
@@ -288,7 +287,7 @@ def sampling(cfg: Config, model, log) -> tasks.Sampling:
     """tasks.Sampling.of(cfg); the shared-prefix forward only where this model's cache can be
     shared over rows (else said in one line)."""
     chosen = tasks.Sampling.of(cfg)
-    why = chosen.shared_prefix and shared_prefix.refused(model)
+    why = chosen.shared_prefix and logprobs.shared_prefix_refused(model)
     if why:
         log(f"shared prefix: off: {why}")
         chosen = dataclasses.replace(chosen, shared_prefix=False)

@@ -160,7 +160,7 @@ def test_the_shared_prefix_forward_is_exact_on_smollm2(base, monkeypatch):
         batch.old_logp, _ = logprobs.completion_logprobs(base.model, batch.tokens())
     batch.ref_logp = batch.old_logp - 0.1
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
-    assert shared_prefix.mismatch(base.model) < 1e-3
+    assert logprobs.check_shared_prefix(base.model) < 1e-3
     plain = loss_and_grads(base.model, batch, False, k=2)
     assert_same(plain, loss_and_grads(base.model, batch, True, k=2), batch.completion_mask, tol=5e-5)
     monkeypatch.setattr(shared_prefix, "MIN_COMMON_START", 10 ** 6)          # each prompt once, no more

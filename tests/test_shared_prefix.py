@@ -182,14 +182,14 @@ def ignore_the_cache(trunk) -> None:
 
 def test_a_model_whose_cache_cannot_be_shared_is_found_and_runs_plain(tmp_path, monkeypatch, capsys):
     model = tiny_model(7)
-    assert shared_prefix.mismatch(model) < 1e-4
+    assert logprobs.check_shared_prefix(model) < 1e-4
     broken = tiny_model(7)
     ignore_the_cache(broken.model)
-    assert shared_prefix.mismatch(broken) > 1e-3, "a prefix the completions cannot see is a mismatch"
+    assert logprobs.check_shared_prefix(broken) > 1e-3, "a prefix the completions cannot see is a mismatch"
     # train.py: the check fails -> one line, and the run is the plain forward's
     from running import config
     import train
-    monkeypatch.setattr(shared_prefix, "mismatch", lambda model: float("inf"))
+    monkeypatch.setattr(logprobs, "check_shared_prefix", lambda model: float("inf"))
     argv = quick(tmp_path, "broken", "--seed", "2")
     argv.remove("--quiet")
     train.train(config.parse_config(argv))
