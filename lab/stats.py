@@ -362,6 +362,10 @@ def main() -> None:
           f"{sorted(c['first_step'])}; over their last five steps, groups with one reward (median) "
           f"{statistics.median(c['zero_std']):.2f} and token entropy (median) {statistics.median(c['entropy']):.4f}; "
           f"{c['quarter_not_one']} more end at held-out best 0.25 with two texts")
+    best = sorted(json.loads(p.read_text())["eval_best_rate_best"] for p in REAL.glob("*/runs/*/s*/summary.json")
+                  if json.loads((p.parent / "config.json").read_text())["task"] == "dsl")
+    print(f"  SmolLM2 DSL runs' best held-out evaluation (report 003's regime needs a strong baseline): highest "
+          f"{best[-1]:.2f}, median {statistics.median(best):.2f}, over {len(best)} runs")
     print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
     print("how often a setting ends collapsed (Fisher's exact test)")
     for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3)):
