@@ -53,10 +53,9 @@ import matplotlib.pyplot as plt
 import torch
 import transformers
 
-from running import checkpoint
+from lab import figures
 from models import policy, pretrained
-from running import config
-from running import report
+from running import checkpoint, config, report
 import diagnostics
 import rollout
 import tasks
@@ -275,9 +274,7 @@ def figure(results: dict, path: Path, title: str, metrics=("eval_best_rate",)) -
     fig.legend(handles, labels, loc="lower center", ncol=min(2, len(labels)), fontsize=8,
                title="setting (seeds): mean, band from min to max over seeds", title_fontsize=8)
     fig.suptitle("\n".join(lines), fontsize=10)
-    fig.tight_layout(rect=(0, bottom / fig.get_figheight(), 1, 1 - top / fig.get_figheight()))
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    figures.save(fig, path, rect=(0, bottom / fig.get_figheight(), 1, 1 - top / fig.get_figheight()))
 
 
 METRICS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -493,9 +490,7 @@ def checkpoints_figure(result: dict, key: str, path: Path, title: str) -> None:
         ax.set(title=g, xlabel="checkpoint step", ylabel=key)
     axes[0][0].legend(fontsize=6)
     fig.suptitle("\n".join(textwrap.wrap(title, 40 * len(groups))), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    figures.save(fig, path)
 
 
 def checkpoints_main(argv: list) -> None:

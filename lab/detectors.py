@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 import monitor
-from lab import collapse, compare, stats
+from lab import collapse, compare, figures, stats
 from lab.collapse import BEST, ONE_ANSWER, VALID
 from lab.common import COLLAPSED, Lab, mean
 from running import report
@@ -310,9 +310,7 @@ def figure(models: dict, path: Path) -> None:
         bottom.set_ylabel("median lead of the warned runs (steps)")
         top.set_title(f"{model} (CPU): each signal at every threshold")
         top.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    figures.save(fig, path, dpi=110)
 
 
 def detectors(lab: Lab) -> dict:

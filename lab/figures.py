@@ -23,6 +23,15 @@ import monitor
 REPORT_001_MIX = {0.0: 0.43, 0.2: 0.38, 1.0: 0.19}
 
 
+def save(fig, path: Path, dpi: int = 90, **layout) -> Path:
+    """Lay the figure out (layout: tight_layout's), write it to path, its folder made, and free it."""
+    fig.tight_layout(**layout)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def sample_rewards(n_batches: int, n: int, mix: dict, seed: int = 0) -> torch.Tensor:
     """(n_batches, n) rewards drawn i.i.d. from mix {reward: probability}."""
     gen = torch.Generator().manual_seed(seed)
@@ -97,10 +106,7 @@ def plot_advantages(path: Path, ks=(2, 4, 8, 16), norms=adv.NORMS, n=48, n_batch
     fig.suptitle(f"Advantage distributions, N={n} rewards per batch drawn from report 001's mix "
                  f"(P(0)={REPORT_001_MIX[0.0]}, P(0.2)={REPORT_001_MIX[0.2]}, "
                  f"P(1)={REPORT_001_MIX[1.0]}), {n_batches} batches", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return grid
 
 
@@ -109,10 +115,7 @@ def plot_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
     ax.bar(list(values), list(values.values()), color=["C0", "C1", "C2", "C3"][:len(values)])
     ax.set(ylabel=ylabel, title=title)
     ax.title.set_fontsize(8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path:
@@ -131,10 +134,7 @@ def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path
     ax.set(ylabel=ylabel)
     ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_monitor(path: Path, rows: list, title: str) -> Path:
@@ -152,10 +152,7 @@ def plot_monitor(path: Path, rows: list, title: str) -> Path:
         ax.plot(on, [-0.05 - 0.05 * i] * len(on), "|", color=f"C{i + 5}", ms=8, label=f"alert {name}")
     ax.set(xlabel="step", title=f"stability monitor (report 002 thresholds) on {title}")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_probe(results: dict, lrs, conditions, path: Path) -> Path:
@@ -175,11 +172,7 @@ def plot_probe(results: dict, lrs, conditions, path: Path) -> Path:
     axes[0][0].set_ylabel("mean change of P(off-format)\nafter one update (held-out)")
     axes[0][0].legend(fontsize=6)
     fig.suptitle("report 001's mechanism, exactly: tiny Qwen2 warm start, one update, CPU", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from tasks import workflow_task
 
 SEEDS = 3
 POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # seeds per setting, by the power analysis
-           "real_rollback": 10}
+           "real_rollback": 10, "real_lora_k2": 10}
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 
@@ -63,6 +63,13 @@ SETTINGS = {
     "real_lora": {
         "LoRA r=1": f"{K8} {EVERY_PROMPT} --lora-rank 1 --lr 2e-4",
         "LoRA r=32": f"{K8} {EVERY_PROMPT} --lora-rank 32 --lr 2e-4",
+    },
+    # real_lora's question at K=2/B=3, where full fine-tuning ends on one answer the most (the
+    # 3-seed pilot: 2/3 runs, share 0.94); its own full-fine-tuning arm (real_k_fair's K=2 is B=12)
+    "real_lora_k2": {
+        "K=2, B=3": f"--k 2 --batch 3 --norm group --steps 30 {EVERY_PROMPT}",
+        "LoRA r=1": f"--k 2 --batch 3 --norm group --steps 30 {EVERY_PROMPT} --lora-rank 1 --lr 2e-4",
+        "LoRA r=32": f"--k 2 --batch 3 --norm group --steps 30 {EVERY_PROMPT} --lora-rank 32 --lr 2e-4",
     },
     # --rollback against real_k_fair's K=8/B=3 runs: evaluated every 5 steps so that it can act
     # (how often a run is evaluated does not change its training: tests/test_lab.py)
@@ -345,11 +352,6 @@ def real_entropy_held(lab: RealLab, log=print) -> dict:
 def real_lora(lab: RealLab, log=print) -> dict:
     """LoRA r=1 and r=32 against real_k_fair's K=8/B=3 runs: does training adapters instead of
     every weight change how often GRPO on SmolLM2 ends on one answer? (report 001's setting)"""
-    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log),
-            **{label: lab.runs("real_lora", label, log) for label in SETTINGS["real_lora"]}}
-    write_table(lab, "real_lora", runs, POWERED_COLUMNS)
-    one = {label: [r["eval_one_answer_end"] for r in rs] for label, rs in runs.items()}
-    full = one.pop("K=8, B=3")
     # rule (written before the first run): for each rank, the mean share of the 64 held-out
     # samples that are the commonest text at the end (eval_one_answer_end) differs from full
     # fine-tuning's: two-sided permutation test, 10 runs an arm, alpha 0.025 each (0.05 over the
@@ -359,10 +361,36 @@ def real_lora(lab: RealLab, log=print) -> dict:
     # starts from one warm start, whose share is the step-0 evaluation, so a frozen policy's
     # difference is 0. How soon a run collapses is not tested: these runs evaluate at the start
     # and the end only.
+    return lora_against(lab, "real_lora", ("real_k_fair", "K=8, B=3"), "its setting, K=8/B=3", log)
+
+
+def real_lora_k2(lab: RealLab, log=print) -> dict:
+    """LoRA r=1 and r=32 against full fine-tuning at K=2/B=3, report 001's collapse setting, 10
+    seeds each: real_lora's question where the full-fine-tuning runs end on one answer the most."""
+    # rule (written before the first run): for each rank, the mean share of the 64 held-out
+    # samples that are the commonest text at the end (eval_one_answer_end) differs from full
+    # fine-tuning's at K=2/B=3: two-sided permutation test, 10 runs an arm, alpha 0.025 each (0.05
+    # over the two ranks, Bonferroni): "reproduced" (LoRA changes it) if p < 0.025, else
+    # "inconclusive". At the pooled sd of the K=2/B=3 pilot (0.875, 1.0, 0.94: sd 0.0625) and
+    # real_lora's r=1 arm (0.189), 0.141, 10 runs an arm detect 0.19 with power 0.8
+    # (lab.stats.detectable_mean(0.141, 10, 10, alpha=0.0125)). The null, as real_lora's: one warm
+    # start, so a frozen policy's difference is 0. Evaluated at the start and the end only.
+    return lora_against(lab, "real_lora_k2", ("real_lora_k2", "K=2, B=3"), "report 001's collapse setting, K=2/B=3",
+                        log)
+
+
+def lora_against(lab: RealLab, name: str, full_ft: tuple, setting: str, log) -> dict:
+    """name's LoRA arms against full_ft's runs (experiment, label): each rank's one-answer share at
+    the end, two-sided permutation test at alpha 0.025 (the rules above)."""
+    runs = {full_ft[1]: lab.runs(*full_ft, log),
+            **{label: lab.runs(name, label, log) for label in SETTINGS[name] if label.startswith("LoRA")}}
+    write_table(lab, name, runs, POWERED_COLUMNS)
+    one = {label: [r["eval_one_answer_end"] for r in rs] for label, rs in runs.items()}
+    full = one.pop(full_ft[1])
     p = {label: stats.two_sided(x, full) for label, x in one.items()}
-    return dict(report="001", figure="real_lora/compare.png",
+    return dict(report="001", figure=f"{name}/compare.png",
                 claim="report 001 trained LoRA adapters, not every weight: does that change how often GRPO ends on "
-                      "one answer? (its setting, K=8/B=3, against full fine-tuning)",
+                      f"one answer? ({setting}, against full fine-tuning)",
                 measured="one answer at the end (share of 64 held-out samples): full fine-tuning "
                          f"{compare.spread(full)}; " + "; ".join(
                              f"{label} {compare.spread(x)} ({statistics.fmean(x) - statistics.fmean(full):+.3f}, "
@@ -518,4 +546,4 @@ def real_monitor(lab: RealLab, log=print) -> dict:
 
 EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held,
                "real_lora": real_lora, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
-               "real_monitor": real_monitor, "real_rollback": real_rollback}
+               "real_monitor": real_monitor, "real_rollback": real_rollback, "real_lora_k2": real_lora_k2}

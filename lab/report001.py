@@ -3,9 +3,8 @@ size and normalisation, and DAPO's dynamic sampling (docs/reports.md)."""
 import json
 from pathlib import Path
 
-from lab import compare
 import monitor
-from lab import figures
+from lab import compare, figures
 from running import report
 from lab.common import Lab, mean, end, metric_rows
 

@@ -11,14 +11,13 @@ import grpo
 import logprobs
 import monitor
 import update
-from lab import figures
 from models import policy
 import rewards
 import rollout
 import tasks
 import warm_start
 from tasks import workflow_task
-from lab import stats
+from lab import figures, stats
 from lab.common import Lab, mean, end, metric_rows
 
 # ---- 5. Batch size and gradient variance (report 002) ----

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import warm_start
 
-from lab import compare
-from lab import figures
-from lab import stats
+from lab import compare, figures, stats
 from running import report
 from lab.common import Lab, mean, end, metric_rows
 

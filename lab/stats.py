@@ -27,7 +27,6 @@ import statistics
 from pathlib import Path
 
 from lab import common
-from lab.common import COLLAPSED
 
 ALPHA = 0.05
 RESAMPLES = 20000
@@ -212,7 +211,7 @@ def real_after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, s
         if kind == "best":
             out.append(means_test(name, *(committed(*arm, "eval_best_rate_end", root) for arm in (first, second))))
         else:
-            a, b = ([(v or 0) >= COLLAPSED for v in committed(*arm, "eval_one_answer_end", root)] for arm in (first, second))
+            a, b = ([(v or 0) >= common.COLLAPSED for v in committed(*arm, "eval_one_answer_end", root)] for arm in (first, second))
             out.append(counts_test(name, sum(a), len(a), sum(b), len(b), "on one answer ", " against "))
     return out
 

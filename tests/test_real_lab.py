@@ -150,8 +150,12 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
                                            "real_lora": {"LoRA r=1": "--k 8 --batch 3 --steps 3 --lora-rank 1 "
                                                                      "--lr 2e-2"},
                                            "real_rollback": {"K=8, B=3, --rollback 3": "--k 8 --batch 3 --steps 3 "
-                                                             "--eval-every 1 --rollback 3 --lr 2e-2"}})
-    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3, "real_lora": 3, "real_rollback": 3})
+                                                             "--eval-every 1 --rollback 3 --lr 2e-2"},
+                                           "real_lora_k2": {"K=2, B=3": "--k 2 --batch 3 --steps 3",
+                                                            "LoRA r=1": "--k 2 --batch 3 --steps 3 --lora-rank 1 "
+                                                                        "--lr 2e-2"}})
+    monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3, "real_lora": 3, "real_rollback": 3,
+                                          "real_lora_k2": 3})
     names = ["real_k_fair", "real_entropy_held", "real_lora", "real_rollback"]
     assert lab.seeds == 2 and real.estimate(lab, names)[0] == 15
     fair = real.real_k_fair(lab, log=lambda s: None)
@@ -183,3 +187,10 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     registered = f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(f)})"
     assert back["verdict"] == (registered if f < 0.05 else "not reproduced: as many ended on one answer"
                                if ones >= one["K=8, B=3"] else "inconclusive")
+    k2 = real.real_lora_k2(lab, log=lambda s: None)                 # its own full-fine-tuning arm
+    assert len(lab.calls) == 21
+    ends = {label: [json.loads((lab.out("real_lora_k2", label, s) / "summary.json").read_text())["eval_one_answer_end"]
+                    for s in range(3)] for label in ("K=2, B=3", "LoRA r=1")}
+    two = stats.two_sided(ends["LoRA r=1"], ends["K=2, B=3"])
+    assert f"two-sided permutation p = {two:.3f})" in k2["measured"] and "K=2/B=3, against full" in k2["claim"]
+    assert k2["verdict"] == f"LoRA r=1: {'reproduced' if two < 0.025 else 'inconclusive'}"
