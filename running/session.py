@@ -409,7 +409,7 @@ def held_out(run: Run, row: dict) -> None:
     try:
         with learner.autocast():
             run.state.last_eval, rows = diagnostics.evaluate(learner.models, learner.task, run.prompts["eval"],
-                                                          learner.sampling, cfg.eval_samples, cfg.gamma)
+                                                             learner.sampling, cfg.eval_samples, cfg.gamma)
     except rollout.NonFiniteLogits:
         if row["step"] == 0:
             raise                      # the starting policy itself is broken: nothing to train
