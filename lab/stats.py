@@ -295,10 +295,10 @@ CLAIM_TEST = {"group_norm": "K=8/B=3 above K=2/B=3", "dynamic_sampling": "dynami
 UNTESTED = {
     "k2_pm1": "exact: every reward draw of the mix enumerated, nothing sampled",
     "batch_size": "no test: the variances are measured on 8 batches each from one warm start, the gap is an "
-                  "equality to float precision, and the reward swing's per-step files were not kept",
+                  "equality to float precision, and the reward swing is a mean over the kept runs' steps",
     "collapse_rate": "its test is the 95% interval of each collapsed count, under Measured",
-    "entropy_collapse": "no test of 'entropy held': a ratio of means the rule reads; the per-step entropies "
-                        "were not kept",
+    "entropy_collapse": "no test of 'entropy held' or of 'costs the task': a ratio and a difference of means "
+                        "the rule reads",
     "entropy_collapse_epochs": "no test of 'entropy held' or of 'costs the task': ratios and differences of "
                                "means the rule reads",
 }
