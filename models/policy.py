@@ -9,8 +9,7 @@ command runs from), keyed by every setting that shapes them, so the second run s
 
 `--model` loads a real pretrained model instead (a folder that pretrained.py resolved: the
 named smollm2-135m, a local folder, a hub id), wraps prompts in its chat template, and
-warm-starts it on the same mix with its own defaults (warm_start.DEFAULTS["real"]), cached the
-same way.
+warm-starts it on the same mix with its own defaults (warm_start.DEFAULTS), cached the same way.
 bf16 autocast is used where it is measured faster (autocast_choice).
 
 `task` below is a task module (workflow_task or tool_task): its vocabulary, its warm-start
