@@ -29,7 +29,6 @@ import warm_start
 from lab import compare, stats
 from lab.common import COLLAPSED, mean
 from running import config, report
-from tasks import workflow_task
 
 SEEDS = 3
 POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # seeds per setting, by the power analysis
