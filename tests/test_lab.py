@@ -378,3 +378,27 @@ def test_an_entry_is_stamped_with_the_seeds_of_one_setting_not_with_its_calibrat
     lab_.sweep("calibration", ["--lr 0.1"], "", seeds=range(100, 104))
     lab_.sweep("test", ["--lr 0.1", "--lr 0.2"], "", seeds=range(20))
     assert seen == [[100, 101, 102, 103], list(range(20))] and lab_.most_seeds == 20
+
+
+def test_the_rerun_toy_entries_per_step_numbers_from_their_kept_runs():
+    """dynamic_sampling's samples a step (its own runs) and zero-variance groups trained on
+    (group_norm's runs, without it), recomputed from the committed metrics.jsonl.gz with a plain
+    loop: every step after step 0, each run's mean, then the mean over runs."""
+    import gzip
+    results = Path(__file__).parent.parent / "results"
+    measured = json.loads((results / "summary.json").read_text())["dynamic_sampling"]["measured"]
+
+    def run_mean(run, key):
+        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+        values = [json.loads(line).get(key) for line in text.splitlines()][1:]
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values)
+
+    def over_runs(folder, setting, key):
+        runs = json.loads((results / folder / "summaries.json").read_text())[setting]
+        return sum(run_mean(run, key) for run in runs) / len(runs)
+    k2, k8 = (over_runs("dynamic_sampling", f"--k {k} --batch 3 --norm group --dynamic-sampling", "samples_generated")
+              for k in (2, 8))
+    assert f"({k2:.1f} samples a step against 6)" in measured and f"({k8:.1f} against 24)" in measured
+    zero = [over_runs("group_norm", f"--k {k} --batch 3 --norm group", "frac_reward_zero_std") for k in (2, 8)]
+    assert f"zero-variance groups trained on without it: K=2 {zero[0]:.2f}, K=8 {zero[1]:.2f}" in measured
