@@ -279,8 +279,7 @@ def starting_point(run_dir: Path) -> Path | None:
 
 def is_busy(run_dir: Path) -> bool:
     """Whether a run is writing in run_dir now (it holds RUN/.lock). The probe's lock is a shared
-    one: two runs starting --init-from the same parent at once each saw the other's probe as the
-    parent running."""
+    one, so two runs checking the same parent at once never take each other's probe for a run."""
     if not (Path(run_dir) / ".lock").exists():
         return False
     fd = os.open(Path(run_dir) / ".lock", os.O_RDONLY)
