@@ -157,4 +157,5 @@ if __name__ == "__main__":
                                                            for f in dataclasses.fields(mine)
                                                            if torch.is_tensor(getattr(mine, f.name))})
     torch.save(on_cpu(compute(mine, CLASSES[share], w)), Path(sys.argv[1]) / f"rank{r}.pt")
+    torch.distributed.barrier()                          # neither rank tears down while the other works
     distributed.close()

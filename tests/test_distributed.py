@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ from running import distributed
 ROOT = Path(__file__).parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 BATCH_STATISTICS = ("global", "batch", "reinforce++-baseline")      # the estimators that need the sums
+# Seen once in CI (torch 2.13, gloo, 2 CPU ranks), never in 45 runs here: one rank ended by
+# std::terminate with no Python traceback. A maths error cannot print this; the worker is run
+# once more on it, with a warning, and a second abort fails the test.
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 @pytest.fixture(scope="module", params=["cpu"] + ["cuda"] * torch.cuda.is_available())
@@ -28,8 +33,12 @@ def ranks(tmp_path_factory, request):
     """What each of the two ranks computed on its half (tests/distributed_worker.py), on the CPU
     and, where a GPU is visible, on it, and the one-process values on the whole batch (CPU)."""
     out = tmp_path_factory.mktemp("ranks")
-    done = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "distributed_worker.py"), str(out), request.param],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    for attempt in (1, 2):
+        done = subprocess.run([*TORCHRUN, str(ROOT / "tests" / "distributed_worker.py"), str(out), request.param],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        if done.returncode == 0 or TEARDOWN_ABORT not in done.stderr or attempt == 2:
+            break
+        warnings.warn(f"a rank aborted in C++ ({TEARDOWN_ABORT!r}); running the worker once more")
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)], one_process()
 
