@@ -402,3 +402,44 @@ def test_the_rerun_toy_entries_per_step_numbers_from_their_kept_runs():
     assert f"({k2:.1f} samples a step against 6)" in measured and f"({k8:.1f} against 24)" in measured
     zero = [over_runs("group_norm", f"--k {k} --batch 3 --norm group", "frac_reward_zero_std") for k in (2, 8)]
     assert f"zero-variance groups trained on without it: K=2 {zero[0]:.2f}, K=8 {zero[1]:.2f}" in measured
+
+
+def test_entropy_curriculum_and_mismatch_per_step_numbers_from_their_kept_runs():
+    """Three more rerun entries' per-step figures, recomputed from the committed metrics.jsonl.gz
+    with plain loops: entropy's token entropy over each run's last 10 steps (mean and population
+    spread over runs), curriculum's share of groups with one reward over steps 1-33, and
+    mismatch's mean log-prob gap between sampler and trainer over every logged step."""
+    import gzip
+    results = Path(__file__).parent.parent / "results"
+    entry = json.loads((results / "summary.json").read_text())
+
+    def rows(run):
+        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+        return [json.loads(line) for line in text.splitlines()]
+
+    def arms(folder):
+        return json.loads((results / folder / "summaries.json").read_text()).values()
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def run_mean(key, rows):
+        return mean([row[key] for row in rows if row.get(key) is not None])
+
+    def pstdev(xs):
+        return (sum((x - mean(xs)) ** 2 for x in xs) / len(xs)) ** 0.5
+    entropies = []
+    for arm in arms("entropy"):
+        ends = [run_mean("entropy", rows(run)[-10:]) for run in arm]
+        entropies.append(f"{mean(ends):.3f} ± {pstdev(ends):.3f}")
+    assert entry["entropy"]["measured"].startswith(
+        f"token entropy over the last 10 steps: {entropies[0]} without a bonus, {entropies[1]} with 0.01 -> 0.001")
+    shares = [mean([run_mean("frac_reward_zero_std", rows(run)[1:34]) for run in arm]) for arm in arms("curriculum")]
+    assert (f"mean over the first third of the steps: long from the start {shares[0]:.2f}; short -> long "
+            f"{shares[1]:.2f}" in entry["curriculum"]["measured"])
+    gaps = [mean([run_mean("sampling/sampling_logp_difference/mean", rows(run)) for run in arm])
+            for arm in arms("mismatch")]
+    measured = entry["mismatch"]["measured"]
+    for name, gap in zip(("null (fp32 sampler)", "bf16 sampler", "bf16 + TIS", "bf16 + ICEPOP", "4 updates stale",
+                          "4 stale + TIS"), gaps):
+        assert f"{name}: log-prob gap {gap:.2g}," in measured, name
