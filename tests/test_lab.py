@@ -443,3 +443,48 @@ def test_entropy_curriculum_and_mismatch_per_step_numbers_from_their_kept_runs()
     for name, gap in zip(("null (fp32 sampler)", "bf16 sampler", "bf16 + TIS", "bf16 + ICEPOP", "4 updates stale",
                           "4 stale + TIS"), gaps):
         assert f"{name}: log-prob gap {gap:.2g}," in measured, name
+
+
+def test_the_monitor_lead_times_and_entropy_collapse_end_entropy_from_their_kept_runs():
+    """monitor's steps of warning, recomputed from group_norm_aggressive_lr's kept K=2 runs by hand:
+    the collapse is the first step (after step 0) from which the rollout valid rate stays below 0.5,
+    the first alarm the first step with entropy < 0.5, KL > 0.5 or, once 10 rewards are in, their
+    range over the last 10 > 0.3 (report 002); and entropy_collapse's mean entropy of the last 10
+    steps per arm."""
+    import gzip
+    results = Path(__file__).parent.parent / "results"
+    entry = json.loads((results / "summary.json").read_text())
+
+    def rows(run):
+        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+        return [json.loads(line) for line in text.splitlines()]
+    sick = json.loads((results / "group_norm_aggressive_lr" / "summaries.json").read_text())["--k 2 --batch 3 --norm group"]
+    leads = []
+    for run in sick:
+        steps = rows(run)[1:]
+        if steps[-1]["valid_rate"] >= 0.5:
+            continue
+        collapse = len(steps) - 1
+        while collapse > 0 and steps[collapse - 1]["valid_rate"] < 0.5:
+            collapse -= 1
+        rewards, first = [], None
+        for i, row in enumerate(steps):
+            if row.get("reward_mean") is not None:
+                rewards.append(row["reward_mean"])
+            swing = len(rewards) >= 10 and max(rewards[-10:]) - min(rewards[-10:]) > 0.3
+            if (row.get("entropy") is not None and row["entropy"] < 0.5) or swing or \
+                    (row.get("kl") is not None and row["kl"] > 0.5):
+                first = i
+                break
+        leads.append(collapse - first if first is not None and first <= collapse else None)
+    assert f"{len(leads)} collapsing runs; steps of warning before the collapse: {leads};" in entry["monitor"]["measured"]
+    arms = json.loads((results / "entropy_collapse" / "summaries.json").read_text())
+    ends = []
+    for runs in arms.values():
+        per_run = []
+        for run in runs:
+            last = [row["entropy"] for row in rows(run)[-10:] if row.get("entropy") is not None]
+            per_run.append(sum(last) / len(last))
+        ends.append(f"entropy at the end {sum(per_run) / len(per_run):.3f},")
+    measured = entry["entropy_collapse"]["measured"].split("; ")
+    assert [part.split(", ", 1)[1].split(" held-out")[0] for part in measured[1:]] == ends
