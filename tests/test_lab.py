@@ -488,3 +488,25 @@ def test_the_monitor_lead_times_and_entropy_collapse_end_entropy_from_their_kept
         ends.append(f"entropy at the end {sum(per_run) / len(per_run):.3f},")
     measured = entry["entropy_collapse"]["measured"].split("; ")
     assert [part.split(", ", 1)[1].split(" held-out")[0] for part in measured[1:]] == ends
+
+
+def test_kl_regimes_beta_floor_and_reward_rise_from_its_kept_runs():
+    """kl_regime's two per-step figures, by hand from the kept runs: how many 0.01/0.1 runs took
+    beta to 0.002 or below at some step after step 0, and each arm's rollout reward from step 1
+    to the last step, averaged over runs."""
+    import gzip
+    results = Path(__file__).parent.parent / "results"
+    measured = json.loads((results / "summary.json").read_text())["kl_regime"]["measured"]
+    arms = list(json.loads((results / "kl_regime" / "summaries.json").read_text()).values())
+    rises, floor = [], 0
+    for i, runs in enumerate(arms):
+        total = 0.0
+        for run in runs:
+            text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+            steps = [json.loads(line) for line in text.splitlines()][1:]
+            total += steps[-1]["reward_mean"] - steps[0]["reward_mean"]
+            if i == 0 and any(row.get("kl_coef") is not None and row["kl_coef"] <= 0.002 for row in steps):
+                floor += 1
+        rises.append(total / len(runs))
+    assert f"whose beta reached the floor (<= 0.002): {floor}/{len(arms[0])};" in measured
+    assert f"(rollout mean, step 1 to the end): 0.01/0.1 {rises[0]:+.2f}, 0.05/0.2 {rises[1]:+.2f};" in measured
