@@ -510,3 +510,26 @@ def test_kl_regimes_beta_floor_and_reward_rise_from_its_kept_runs():
         rises.append(total / len(runs))
     assert f"whose beta reached the floor (<= 0.002): {floor}/{len(arms[0])};" in measured
     assert f"(rollout mean, step 1 to the end): 0.01/0.1 {rises[0]:+.2f}, 0.05/0.2 {rises[1]:+.2f};" in measured
+
+
+def test_rce_grpos_over_training_count_from_its_kept_runs():
+    """rce_grpo's GRPO-only runs read for report 003's over-training by hand: the held-out answer
+    NLL at the last evaluation at least 10% above its lowest, with the training prompts' NLL at
+    the end no higher than at that lowest evaluation."""
+    import gzip
+    results = Path(__file__).parent.parent / "results"
+    measured = json.loads((results / "summary.json").read_text())["rce_grpo"]["measured"]
+    grpo_only = json.loads((results / "rce_grpo" / "summaries.json").read_text())[
+        "--steps 120 --kl-control range --kl-target-min 0.01 --kl-target-max 0.1 --kl-coef 1 --save-every 40"]
+    over = 0
+    for run in grpo_only:
+        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+        evals = [row for row in map(json.loads, text.splitlines()) if row.get("eval_answer_nll") is not None]
+        low = evals[0]
+        for row in evals:
+            if row["eval_answer_nll"] < low["eval_answer_nll"]:
+                low = row
+        if evals[-1]["eval_answer_nll"] >= 1.1 * low["eval_answer_nll"] and \
+                evals[-1]["train_answer_nll"] <= low["train_answer_nll"]:
+            over += 1
+    assert f"while the training prompts' NLL did not rise: {over}/{len(grpo_only)};" in measured
