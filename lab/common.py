@@ -11,11 +11,9 @@ from running import report
 from tasks import workflow_task
 
 SEEDS, QUICK_SEEDS = 6, 2
-# Most experiments evaluate every 20 steps, to keep the lab within its time (docs/lab-notebook.md):
-# an evaluation has its own seed and leaves the training RNG alone (diagnostics.sample_seeded),
-# so a run's trajectory and its end's numbers do not depend on how often it is evaluated;
-# kl_range and rce_grpo read every evaluation (the best one, early stopping) and keep 10, as
-# does group_norm_aggressive_lr (60 steps).
+# Most experiments evaluate every 20 steps (the lab's time, docs/lab-notebook.md): an evaluation has
+# its own seed (diagnostics.sample_seeded), so how often a run is evaluated does not change it;
+# kl_range, rce_grpo (the best evaluation, early stopping) and group_norm_aggressive_lr every 10.
 
 # A real pretrained model (--model) runs each experiment with its learning rates scaled by
 # REAL_LR_SCALE and its steps divided by REAL_STEPS_DIVISOR; K and B stay, since they are
@@ -23,9 +21,8 @@ SEEDS, QUICK_SEEDS = 6, 2
 # at lr 1e-3 (7e-3 to make it crash); a pretrained 135M model fine-tunes at ~1e-5, and the
 # same 100x keeps each experiment's "moderate" and "aggressive" rates apart by the same
 # factor (an experiment that sets no --lr gets train.py's real-model default, 2e-5). A real
-# model's step is far slower on a CPU (`python -m tools.bench --model smollm2-135m`; its figures
-# are in docs/performance.md), so a third of the steps. These are our choices, not tuned to any
-# outcome.
+# model's step is far slower on a CPU (`python -m tools.bench --model smollm2-135m`, figures in
+# docs/performance.md), so a third of the steps. Our choices, not tuned to any outcome.
 REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3
 COLLAPSED = 0.9       # the real-model lab's collapse: eval_one_answer at or above this, one answer for (nearly) every prompt
 

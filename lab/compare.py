@@ -85,7 +85,14 @@ def run_one(argv: list, launch: Launch) -> dict:
         summary = run_in_new_process(argv, launch)
     if summary["interrupted"]:                      # Ctrl-C stopped that run cleanly: stop here too
         raise KeyboardInterrupt(summary["interrupted"])
+    if lost_to_the_machine(summary):                # not a result: no verdict may count it
+        raise RuntimeError(f"{summary['out']} stopped: {summary['stopped']}")
     return summary
+
+
+def lost_to_the_machine(summary: dict) -> bool:
+    """A run stopped by its machine (a checkpoint or log line it could not write), not by its training."""
+    return bool(summary.get("stopped") and (summary.get("failed_saves") or summary.get("lost_log_lines")))
 
 
 def run_in_new_process(argv: list, launch: Launch) -> dict:

@@ -137,7 +137,7 @@ class RealLab:
         if kept is not None:
             return kept
         out = self.out(name, label, seed)
-        if made_with_other_flags(out):        # a finished run of other flags: kept aside, not overwritten
+        if result(out) is not None:           # a result of other flags: kept aside, not overwritten
             aside = out.with_name(f"{out.name}.other-flags-{time.strftime('%Y%m%d-%H%M%S')}")
             out.rename(aside)
             log(f"  {name}: {label}, seed {seed}: the run there was made with other flags; kept as {aside.name}")
@@ -150,29 +150,29 @@ class RealLab:
         return [self.run(name, label, seed, log) for seed in range(self.seeds_of(name))]
 
 
-def finished(argv: list) -> dict | None:
-    """The summary of the run argv asks for, if one finished in its folder with the same
-    configuration (every flag but those of config.NOT_IN_RESULTS) and was not interrupted; else None."""
-    out = Path(argv[argv.index("--out") + 1])
+def result(out: Path) -> dict | None:
+    """The summary in out of a run that ended as a result: not interrupted, not stopped by its
+    machine (the disk); a run its training stopped (--max-skips) is a result."""
     try:
         summary = json.loads((out / "summary.json").read_text())
-        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if summary.get("interrupted") or compare.lost_to_the_machine(summary) else summary
+
+
+def finished(argv: list) -> dict | None:
+    """The summary of the run argv asks for, if a result in its folder has the same configuration
+    (every flag but those of config.NOT_IN_RESULTS); else None."""
+    out = Path(argv[argv.index("--out") + 1])
+    try:
+        summary, saved = result(out), json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         return None
     wanted = flags(argv)
     # a flag added after the run was made is not in its config.json: it ran with that flag's default
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
     same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in config.NOT_IN_RESULTS)
-    return summary if same and not summary.get("interrupted") else None      # a stopped run is a result
-
-
-def made_with_other_flags(out: Path) -> bool:
-    """A run finished in out (its summary says it was not interrupted), whose flags are not
-    the ones asked for now (finished() said no)."""
-    try:
-        return not json.loads((out / "summary.json").read_text()).get("interrupted")
-    except (OSError, ValueError):
-        return False
+    return summary if same else None
 
 
 def flags(argv: list) -> dict:

@@ -99,6 +99,26 @@ def test_a_failing_job_names_its_command_and_last_line(tmp_path):
         compare.run_one(["--layers", "0", "--out", str(tmp_path / "r")], compare.Launch(jobs=2))
 
 
+def test_a_run_the_disk_stopped_is_not_a_result(tmp_path, monkeypatch):
+    """A run that stops because a line of its log could not be written (the disk filled) ends
+    cleanly, but at step 2 of 4: the lab raises rather than count it in a verdict."""
+    import pytest
+    from lab import compare
+    from running import checkpoint
+    write = checkpoint.JsonlLog.write
+
+    def full_at_step_2(self, row):
+        if self.path.name == "metrics.jsonl" and row.get("step") == 2:
+            with monkeypatch.context() as m:
+                m.setattr(checkpoint.os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space")))
+                return write(self, row)
+        return write(self, row)
+    monkeypatch.setattr(checkpoint.JsonlLog, "write", full_at_step_2)
+    argv = "--steps 4 --batch 2 --k 4 --eval-every 2 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1".split()
+    with pytest.raises(RuntimeError, match="stopped: the disk is full"):
+        compare.run_one(argv + ["--out", str(tmp_path / "run")], compare.Launch())
+
+
 def test_on_a_real_model_the_lab_scales_lr_and_steps_and_keeps_k_and_b(tmp_path):
     real = lab.Lab(tmp_path, quick=False, model="smollm2-135m")
     assert real.shrink("--k 2 --batch 3 --steps 150 --lr 7e-3") == "--k 2 --batch 3 --steps 50 --lr 7e-05"

@@ -36,6 +36,8 @@ def lab(tmp_path, monkeypatch):
 
 
 def test_finished_runs_are_kept_and_a_run_cut_short_starts_again(lab):
+    """Cut short: killed before its summary, stopped by Ctrl-C, or stopped by a full disk (a
+    run stopped by its training, --max-skips, is a result and is kept)."""
     assert real.estimate(lab, ["real_group_size"])[0] == 6
     first = real.real_group_size(lab, log=lambda s: None)
     assert len(lab.calls) == 6 and first["verdict"]
@@ -51,13 +53,18 @@ def test_finished_runs_are_kept_and_a_run_cut_short_starts_again(lab):
     stopped = lab.out("real_group_size", "K=2, B=3", 0)
     summary = json.loads((stopped / "summary.json").read_text())
     (stopped / "summary.json").write_text(json.dumps(dict(summary, interrupted="SIGINT")))   # Ctrl-C
-    assert real.estimate(lab, ["real_group_size"])[0] == 2
-    left = [real.flags(lab.argv("real_group_size", label, seed)) for label, seed in (("K=8, B=3", 1), ("K=2, B=3", 0))]
+    full = lab.out("real_group_size", "K=8, B=3, entropy bonus 0.01", 1)      # the disk filled: stopped at a save
+    summary = json.loads((full / "summary.json").read_text())
+    (full / "summary.json").write_text(json.dumps(dict(summary, stopped="the disk is full: ...", failed_saves=2)))
+    assert real.estimate(lab, ["real_group_size"])[0] == 3
+    left = [real.flags(lab.argv("real_group_size", label, seed)) for label, seed in
+            (("K=8, B=3", 1), ("K=2, B=3", 0), ("K=8, B=3, entropy bonus 0.01", 1))]
     assert real.estimate(lab, ["real_group_size"])[1] == pytest.approx(
         sum(map(real.modelled, left)) + real.WARM_START_SECONDS["dsl"]), "the two runs left, and a warm start"
     again = real.real_group_size(lab, log=lambda s: None)
-    assert sorted(a[a.index("--out") + 1] for a in lab.calls) == sorted([str(killed), str(stopped)])
+    assert sorted(a[a.index("--out") + 1] for a in lab.calls) == sorted([str(killed), str(stopped), str(full)])
     assert all("--overwrite" in a for a in lab.calls)
+    assert not list(full.parent.glob("*.other-flags-*")), "run again in place, not kept aside as another setting's"
     assert again["measured"] == first["measured"], "the same runs, the same numbers"
 
 
