@@ -50,6 +50,22 @@ def test_a_destructive_lr_rolls_back_to_the_best_checkpoint_and_trains_on_at_the
     assert rows[20]["eval_valid_rate"] > rows[0]["eval_valid_rate"] / 2    # it trained on, on the format (this seed)
 
 
+def test_keeping_one_checkpoint_never_prunes_the_one_a_rollback_needs(tmp_path):
+    """--keep-checkpoints 1 (a SmolLM2 checkpoint is 1.5 GB), a checkpoint every step: the best
+    evaluation's checkpoint is spared, so the rollback at step 5 still goes back to the warm start, and the run is the one
+    that kept every checkpoint; at the end the newest and the best are left (here one and the same)."""
+    runs = {keep: tmp_path / f"keep{keep}" for keep in (0, 1)}
+    for keep, out in runs.items():
+        train.train(config.parse_config([*DESTRUCTIVE, "--rollback", "1", "--keep-checkpoints", str(keep),
+                                         "--save-every", "1", "--out", str(out)]))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    assert strip(read(runs[1] / "metrics.jsonl")) == strip(read(runs[0] / "metrics.jsonl"))
+    assert read(runs[1] / "metrics.jsonl")[5]["rollback"]["to"] == 0
+    summary = json.loads((runs[1] / "summary.json").read_text())
+    every, left = (sorted(p.name for p in (out / "checkpoints").iterdir()) for out in (runs[0], runs[1]))
+    assert len(every) > 2 and left == sorted({summary["best_checkpoint"].split("/")[1], every[-1]})
+
+
 def test_without_rollback_the_same_run_stays_on_one_answer(tmp_path):
     """The control: the same command without --rollback ends where the collapse put it."""
     summary = train.train(config.parse_config([*DESTRUCTIVE, "--out", str(tmp_path / "run")]))
