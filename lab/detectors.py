@@ -112,13 +112,12 @@ def outcome(rows: list, real: bool) -> dict:
 
 
 def kept_runs(root: Path) -> list:
-    """Every kept DSL run under root's */runs/ (a setting's seeds sN), as (setting folder, seed, path)."""
+    """Every kept DSL run under root's */runs/ made without --rollback (the rule says why), as (folder, seed, path)."""
     found = []
     for cfg in sorted(root.glob("**/runs/*/s*/config.json")):
         run = cfg.parent
-        if not ((run / "metrics.jsonl").exists() or (run / "metrics.jsonl.gz").exists()):
-            continue
-        if '"task": "tools"' in cfg.read_text():
+        text, logged = cfg.read_text(), (run / "metrics.jsonl").exists() or (run / "metrics.jsonl.gz").exists()
+        if not logged or '"task": "tools"' in text or ('"rollback": ' in text and '"rollback": 0' not in text):
             continue
         found.append((run.parent, int(run.name[1:]) if run.name[1:].isdigit() else 0, run))
     return found
@@ -331,14 +330,15 @@ def detectors(lab: Lab) -> dict:
     figure(models, out / "detectors.png")
     warns = {model: [name for name, r in res.items() if r.get("warns")] for model, res in results.items()}
     decidable = [model for model, runs in models.items() if could_decide(runs)]
-    # rule (written before the first run): on each model's held-out half (every other seed of each
-    # setting), a signal warns early when, at the threshold fixed on the other half (the smallest whose
-    # false alarms on that half's healthy runs are <= 10%), it fires on <= 10% of the held-out healthy
-    # runs AND fires at or before the last healthy evaluation on more of the collapsed runs than its
-    # share of false alarms, Fisher's one-sided p < 0.05. Reproduced ("a signal the runs already log
-    # warns of a collapse before the evaluation sees it, at <= 10% false alarms") when some signal warns
-    # early on a model; not reproduced when none does on a model where the design could show it (every
-    # collapsed run warned with 10% false alarms would give p < 0.05); inconclusive otherwise.
+    # rule (written before the first run; amended after the third reading): on each model's held-out half (every other
+    # seed of each setting), a signal warns early when, at the threshold fixed on the other half (the smallest whose
+    # false alarms on that half's healthy runs are <= 10%), it fires on <= 10% of the held-out healthy runs AND fires at
+    # or before the last healthy evaluation on more of the collapsed runs than its share of false alarms, Fisher's
+    # one-sided p < 0.05. Reproduced ("a signal the runs already log warns of a collapse before the evaluation sees it,
+    # at <= 10% false alarms") when some signal warns early on a model; not reproduced when none does on a model where
+    # the design could show it (every collapsed run warned with 10% false alarms would give p < 0.05); inconclusive
+    # otherwise. Runs made with --rollback are left out (kept_runs): the held-out evaluation set off their rollbacks,
+    # which undid the collapses it saw, so a signal fired on an undone collapse read as a warning of the last one.
     found = [f"{model}: {', '.join(names)}" for model, names in warns.items() if names]
     return dict(report="002 and the field", figure="detectors/detectors.png",
                 claim="a signal the runs already log warns of a collapse before the held-out evaluation sees it, "

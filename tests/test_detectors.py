@@ -107,13 +107,14 @@ def test_bench_reads_kept_runs_and_records_its_verdict(tmp_path):
         collapse = i < 8
         run = tmp_path / "some_experiment" / "runs" / ("sick" if collapse else "well") / f"s{i}"
         run.mkdir(parents=True)
-        (run / "config.json").write_text(json.dumps({"task": "dsl"}))
+        (run / "config.json").write_text(json.dumps({"task": "dsl", **({"rollback": 0} if i % 2 else {})}))
         rows = run_rows(40 if collapse else None, 15 if collapse else None)
         (run / "metrics.jsonl.gz").write_bytes(gzip.compress("\n".join(map(json.dumps, rows)).encode()))
-    tools = tmp_path / "tools_experiment" / "runs" / "x" / "s0"          # the tool task is left out
-    tools.mkdir(parents=True)
-    (tools / "config.json").write_text(json.dumps({"task": "tools"}))
-    (tools / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    for task, rollback in (("tools", 0), ("dsl", 3)):       # the tool task, and runs with --rollback, are left out
+        left_out = tmp_path / f"{task}_{rollback}" / "runs" / "x" / "s0"
+        left_out.mkdir(parents=True)
+        (left_out / "config.json").write_text(json.dumps({"task": task, "rollback": rollback}))
+        (left_out / "metrics.jsonl").write_text("\n".join(map(json.dumps, run_rows(40, 15))) + "\n")
     entry = detectors.detectors(Lab(tmp_path, quick=False))
     assert entry["verdict"].startswith("reproduced for toy: ") and "grad-norm spike" in entry["verdict"]
     table = (tmp_path / "detectors" / "table.md").read_text()
