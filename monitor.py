@@ -9,10 +9,10 @@ Report 002's thresholds (REPORT_002: entropy 0.5, KL 0.5, swing 0.3) fire on eve
 the lab has kept: entropy_low on 668 of 668 toy runs and 37 of 37 SmolLM2 runs, reward_swing on
 646 of 668 and 37 of 37 (`python -m lab detectors`, results/detectors/table.md). An alarm that
 fires on healthy runs warns of nothing, so StabilityMonitor's defaults are the bench's: the round
-values at which each fired on at most 10% of the healthy runs of both models when they were chosen
-(the second reading). At the third: entropy < 0.005 on 5 of 668 and 0 of 37; swing > 2 on 6 of 668
-and 1 of 37; KL > 2.5 on 19 of 99 toy runs with a reference, over the 10% (rce_grpo's GRPO stage,
-kept since). They warned 2 of the 108 collapsed runs in time: the bench found no signal that warns
+values at which each fired on at most 10% of the healthy runs of both models. At the third
+reading: entropy < 0.005 on 5 of 668 and 0 of 37; swing > 2 on 6 of 668 and 1 of 37; KL > 2.5 on
+19 of 99 toy runs with a reference (rce_grpo's GRPO stage, kept since the second), so KL's moved to
+4, on 9 of 99. They warned 2 of the 108 collapsed runs in time: the bench found no signal that warns
 at that false-alarm rate. The entropy one is the field alert_entropy.
 An alert is *active* on every step its condition holds (metrics.jsonl lists the active ones
 under `alerts`), and is printed once when an episode of it starts, not on every step.
@@ -136,7 +136,7 @@ REPORT_002 = {"min_entropy": 0.5, "max_kl": 0.5, "max_reward_range": 0.3}    # t
 
 
 class StabilityMonitor:
-    def __init__(self, min_entropy=0.005, max_kl=2.5, max_reward_range=2.0, window=10):
+    def __init__(self, min_entropy=0.005, max_kl=4.0, max_reward_range=2.0, window=10):
         self.min_entropy, self.max_kl = min_entropy, max_kl
         self.max_reward_range, self.window = max_reward_range, window
         self.rewards = deque(maxlen=window)
