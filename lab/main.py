@@ -169,7 +169,8 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
     own). Under a lock, re-reading the file first: two labs writing into one folder at once
     merge their entries, where one used to lose the other's. Each file is written beside and
     renamed, so it is whole or absent. An entry that measured what the recorded one did (the
-    same runs summarised again: the real-model lab's kept runs) keeps its date and seconds."""
+    same runs summarised again: the real-model lab's kept runs) keeps its date and seconds; a
+    retired experiment's (real_monitor: the detector bench asks its question) stays, last."""
     with open(out / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = read_summary(out)
@@ -177,7 +178,7 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
         if all(old.get(k) == entry.get(k) for k in ("measured", "verdict", "seeds", "quick")):
             entry = dict(entry, seconds=old["seconds"], date=old.get("date"))
         results[name] = registered(entry, old)
-        results = {n: results[n] for n in (order or EXPERIMENTS) if n in results}
+        results = {n: results[n] for n in [*(order or EXPERIMENTS), *results] if n in results}   # retired ones last
         for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results, out))):
             tmp = out / f".{file}.tmp-{os.getpid()}"
             tmp.write_text(text)

@@ -1,6 +1,6 @@
 """The reports' central claims on a real model (SmolLM2-135M-Instruct), 3 seeds per setting, and
-two of them again over the 10 seeds the power analysis asks for (real_k_fair, real_entropy_held),
-and report 001's own setting, LoRA, over 10 seeds (real_lora).
+the powered experiments (POWERED: K=8 against K=2, adaptive entropy, LoRA, --rollback) over the
+10 seeds the power analysis asks for.
 
     python -m lab --model smollm2-135m                  # all of them, into results/smollm2-135m/
     python -m lab --model smollm2-135m real_group_size  # one of them
@@ -24,7 +24,6 @@ import statistics
 import time
 from pathlib import Path
 
-import monitor
 import warm_start
 from lab import compare, stats
 from lab.common import COLLAPSED, mean
@@ -32,7 +31,7 @@ from running import config, report
 
 SEEDS = 3
 POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # seeds per setting, by the power analysis
-           "real_rollback": 10, "real_lora_k2": 10}
+           "real_rollback": 10, "real_lora_k2": 10, "real_rollback_epochs": 10}
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 
@@ -74,6 +73,13 @@ SETTINGS = {
     # (how often a run is evaluated does not change its training: tests/test_lab.py)
     "real_rollback": {
         "K=8, B=3, --rollback 3": f"{K8} --eval-every 5 --eval-prompts 32 --eval-samples 2 --rollback 3",
+    },
+    # and against none at two epochs, where the pilot's runs all ended on one answer (real_entropy_collapse);
+    # --keep-checkpoints 1: a rollback run kept 6.6-8.6 GB of checkpoints (the best is never pruned)
+    "real_rollback_epochs": {
+        "K=8, B=3, two epochs": f"{K8} --epochs 2 {EVERY_PROMPT}",
+        "K=8, B=3, two epochs, --rollback 3": f"{K8} --epochs 2 --eval-every 5 --eval-prompts 32 --eval-samples 2 "
+                                              "--rollback 3 --keep-checkpoints 1",
     },
     "real_tools": {
         "sparse": "--task tools --reward sparse --k 4 --batch 2 --steps 12 --micro-batch 2",
@@ -320,23 +326,26 @@ def real_k_fair(lab: RealLab, log=print) -> dict:
                 verdict=stats.decide(p))
 
 
-def against_k8(lab: RealLab, name: str, label: str, shown: str, log) -> tuple:
-    """real_k_fair's K=8/B=3 runs against one arm of `name` (label; `shown` in the text): (the runs,
+K8_FAIR = ("real_k_fair", "K=8, B=3")
+
+
+def against(lab: RealLab, base: tuple, arm: tuple, shown: str, log) -> tuple:
+    """base's runs against arm's (each: experiment, label; arm's `shown` in the text): (the runs,
     how many of each end on one answer, Fisher's one-sided p of fewer with the arm, what was measured)."""
-    runs = {"K=8, B=3": lab.runs("real_k_fair", "K=8, B=3", log), shown: lab.runs(name, label, log)}
-    write_table(lab, name, runs, POWERED_COLUMNS)
-    (base, n), (arm, m) = ((sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs), len(rs))
-                           for rs in runs.values())
-    p = stats.fisher(base, n, arm, m)
-    measured = (f"runs ending on one answer: K=8/B=3 {base}/{n}, with {shown} {arm}/{m}, one-sided Fisher p = "
+    runs = {base[1]: lab.runs(*base, log), shown: lab.runs(*arm, log)}
+    write_table(lab, arm[0], runs, POWERED_COLUMNS)
+    (ended, n), (ended_arm, m) = ((sum((r.get("eval_one_answer_end") or 0) >= COLLAPSED for r in rs), len(rs))
+                                  for rs in runs.values())
+    p = stats.fisher(ended, n, ended_arm, m)
+    measured = (f"runs ending on one answer: {base[1]} {ended}/{n}, with {shown} {ended_arm}/{m}, one-sided Fisher p = "
                 f"{p:.3f}; held-out best at the end " + ", ".join(f"{k} {spread(rs, 'eval_best_rate_end')}"
                                                                  for k, rs in runs.items()) + f"; {at_warm_start(runs)}")
-    return runs, (base, n), (arm, m), p, measured
+    return runs, (ended, n), (ended_arm, m), p, measured
 
 
 def real_entropy_held(lab: RealLab, log=print) -> dict:
     """Adaptive entropy against real_k_fair's K=8/B=3 runs: fewer end on one answer? (2025-26 methods)"""
-    _, _, _, p, measured = against_k8(lab, "real_entropy_held", "adaptive entropy", "adaptive entropy", log)
+    _, _, _, p, measured = against(lab, K8_FAIR, ("real_entropy_held", "adaptive entropy"), "adaptive entropy", log)
     # rule (written before the first run): fewer runs end on one answer (eval_one_answer_end >=
     # COLLAPSED of the 64 held-out samples) with adaptive entropy (--entropy-target 0.2) than in
     # the K=8/B=3 baseline: one-sided Fisher exact test, 10 runs an arm, alpha 0.05:
@@ -360,7 +369,7 @@ def real_lora(lab: RealLab, log=print) -> dict:
     # starts from one warm start, whose share is the step-0 evaluation, so a frozen policy's
     # difference is 0. How soon a run collapses is not tested: these runs evaluate at the start
     # and the end only.
-    return lora_against(lab, "real_lora", ("real_k_fair", "K=8, B=3"), "its setting, K=8/B=3", log)
+    return lora_against(lab, "real_lora", K8_FAIR, "its setting, K=8/B=3", log)
 
 
 def real_lora_k2(lab: RealLab, log=print) -> dict:
@@ -402,21 +411,37 @@ def lora_against(lab: RealLab, name: str, full_ft: tuple, setting: str, log) -> 
 
 def real_rollback(lab: RealLab, log=print) -> dict:
     """--rollback 3 against real_k_fair's K=8/B=3 runs: fewer end on one answer? (the detector issue)"""
-    runs, (base, n), (back, m), p, measured = against_k8(lab, "real_rollback", "K=8, B=3, --rollback 3",
-                                                        "--rollback 3", log)
-    taken = [len(r.get("rollbacks", [])) for r in runs["--rollback 3"]]
     # rule (written before the first run): fewer runs end on one answer (eval_one_answer_end >=
     # COLLAPSED of the 64 held-out samples) with --rollback 3 than in real_k_fair's K=8/B=3 runs:
     # one-sided Fisher exact test, 10 runs an arm, alpha 0.05: "reproduced" if p < 0.05; "not
     # reproduced" if at least as many end on one answer; else "inconclusive". A rollback at the
     # last step leaves that step's evaluation (the one that set it off) as the run's end: counted
     # as ending on one answer.
-    return dict(report="the field (a checkpoint to go back to, the lr cut)", figure="real_rollback/compare.png",
+    return rolled_back(lab, K8_FAIR, ("real_rollback", "K=8, B=3, --rollback 3"), log)
+
+
+def real_rollback_epochs(lab: RealLab, log=print) -> dict:
+    """real_rollback's question at two epochs, against its own arm without rollback."""
+    # rule (written before the first run): real_rollback's, at --epochs 2 against two epochs without
+    # rollback: one-sided Fisher exact test of fewer runs ending on one answer (eval_one_answer_end >=
+    # COLLAPSED of 64 held-out samples; binomial SE 0.04 near it), 10 runs an arm, alpha 0.05:
+    # "reproduced" if p < 0.05; "not reproduced" if at least as many end on one answer; else
+    # "inconclusive". The effect called real: from the pilot's rate (3/3; taken as 0.95) to 0.4,
+    # which 10 runs an arm detect with power 0.796 (lab.stats.fisher_power); 0.5 would need 14.
+    return rolled_back(lab, ("real_rollback_epochs", "K=8, B=3, two epochs"),
+                       ("real_rollback_epochs", "K=8, B=3, two epochs, --rollback 3"), log)
+
+
+def rolled_back(lab: RealLab, base: tuple, arm: tuple, log) -> dict:
+    """arm (with --rollback 3) against base: real_rollback's verdict and the rollbacks taken."""
+    runs, (ended, n), (back, m), p, measured = against(lab, base, arm, "--rollback 3", log)
+    taken = [len(r.get("rollbacks", [])) for r in runs["--rollback 3"]]
+    return dict(report="the field (a checkpoint to go back to, the lr cut)", figure=f"{arm[0]}/compare.png",
                 claim="going back to the best checkpoint with the lr halved, when an evaluation finds one answer, "
-                      "keeps GRPO on SmolLM2 off its collapse onto one answer",
+                      f"keeps GRPO on SmolLM2 ({base[1]}) off its collapse onto one answer",
                 measured=f"{measured}; rollbacks a run {compare.spread(taken)}",
                 verdict=f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(p)})" if p < stats.ALPHA
-                else "not reproduced: as many ended on one answer" if back / m >= base / n else "inconclusive")
+                else "not reproduced: as many ended on one answer" if back / m >= ended / n else "inconclusive")
 
 
 POWERED_COLUMNS = [("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),
@@ -503,46 +528,6 @@ def real_rce_grpo(lab: RealLab, log=print) -> dict:
                 f"partly: {'; '.join(held)} (of the four claims)" if held else "not reproduced")
 
 
-# ---- report 002: the monitor's alerts on these runs ----
-
-def real_monitor(lab: RealLab, log=print) -> dict:
-    """The stability monitor's alerts on every DSL run above: how early before a collapse onto
-    one answer, and how often on runs that never collapse (report 002)."""
-    runs = [lab.run(name, label, seed, log) for name in ("real_group_size", "real_rce_grpo")
-            for label in SETTINGS[name] if label != "RCE (stage 1)" for seed in range(lab.seeds)]
-    leads, false_alarms, quiet, first = [], 0, 0, []
-    for run in runs:
-        rows = report.read_metrics(Path(run["out"]))
-        alerts = monitor.replay(rows)          # report 002's thresholds, whatever the run logged
-        alerted = [row["step"] for row, a in zip(rows, alerts) if a]
-        first += [(alerted[0], tuple(next(a for a in alerts if a)))] if alerted else []
-        at = collapse_step(run)
-        if at is None:
-            false_alarms += bool(alerted)
-            quiet += not alerted
-        else:
-            leads.append(at - alerted[0] if alerted and alerted[0] <= at else None)
-    warned = [x for x in leads if x is not None and x >= 1]
-    n_collapsed, n_fine = len(leads), false_alarms + quiet
-    # rule (written before the first run): reproduced if an alert fires at least one step
-    # before the collapse in >= 2/3 of the collapsed runs AND on fewer than half of the runs
-    # that never collapse; "cannot tell" when no run collapses
-    verdict = "cannot tell: no run collapsed onto one answer" if not n_collapsed else \
-        "reproduced" if len(warned) >= 2 / 3 * n_collapsed and false_alarms < n_fine / 2 else "not reproduced"
-    lead_text = ", ".join("none" if x is None else f"{x} steps" for x in leads) or "no collapse"
-    # what the leads cannot show: where the first alert fires, and which, whether a run collapses or not
-    steps, kinds = sorted({s for s, _ in first}), sorted({k for _, ks in first for k in ks})
-    caveat = (f"; the first alert fired at step {' or '.join(map(str, steps))} in {len(first)} of {len(runs)} runs "
-              f"({', '.join(kinds)}), so each lead is the collapse step less that: the alerts as set warn of "
-              f"nothing, and which signal warns early is a question these runs cannot answer") if first else ""
-    return dict(report="002", figure=None,
-                claim="the monitor's alerts (entropy low, KL high, reward swings) warn before a collapse",
-                measured=f"{n_collapsed} of {len(runs)} DSL runs collapsed onto one answer; the first alert came "
-                         f"before the collapse by: {lead_text}; alerts on runs that never collapsed: "
-                         f"{false_alarms}/{n_fine}{caveat}",
-                verdict=verdict)
-
-
 EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held,
                "real_lora": real_lora, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
-               "real_monitor": real_monitor, "real_rollback": real_rollback, "real_lora_k2": real_lora_k2}
+               "real_rollback": real_rollback, "real_lora_k2": real_lora_k2, "real_rollback_epochs": real_rollback_epochs}

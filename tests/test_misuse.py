@@ -215,6 +215,18 @@ def test_the_same_runs_summarised_again_keep_their_date_and_seconds(tmp_path, mo
     assert "## first (a paper)" in (tmp_path / "SUMMARY.md").read_text()
 
 
+def test_a_retired_experiments_entry_stays_after_the_others(tmp_path, monkeypatch):
+    """The SmolLM2 lab's real_monitor was retired for the detector bench: its recorded verdict stays
+    in SUMMARY, after the experiments the lab still has, where it used to be dropped."""
+    entry = dict(report="x", claim="c", measured="m", verdict="v", figure=None, seconds=1.0, seeds=3, quick=False)
+    (tmp_path / "summary.json").write_text(json.dumps({"retired": dict(entry, verdict="old"), "first": entry}))
+    monkeypatch.setattr(lab, "EXPERIMENTS", {"first": lambda _: dict(entry), "second": lambda _: dict(entry)})
+    lab.main(["second", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary) == ["first", "second", "retired"] and summary["retired"]["verdict"] == "old"
+    assert "## retired (x)" in (tmp_path / "SUMMARY.md").read_text()
+
+
 def test_an_entry_missing_a_key_is_said_and_replaced_not_a_keyerror_after_the_run(tmp_path, monkeypatch, capsys):
     """summary.json with an entry lacking 'measured': the lab ran the experiment, then died with
     KeyError: 'measured' and recorded nothing."""

@@ -160,9 +160,13 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
                                                              "--eval-every 1 --rollback 3 --lr 2e-2"},
                                            "real_lora_k2": {"K=2, B=3": "--k 2 --batch 3 --steps 3",
                                                             "LoRA r=1": "--k 2 --batch 3 --steps 3 --lora-rank 1 "
-                                                                        "--lr 2e-2"}})
+                                                                        "--lr 2e-2"},
+                                           "real_rollback_epochs": {
+                                               "K=8, B=3, two epochs": "--k 8 --batch 3 --steps 3 --epochs 2",
+                                               "K=8, B=3, two epochs, --rollback 3": "--k 8 --batch 3 --steps 3 --epochs 2 "
+                                               "--eval-every 1 --rollback 3 --lr 2e-2 --keep-checkpoints 1"}})
     monkeypatch.setattr(real, "POWERED", {"real_k_fair": 3, "real_entropy_held": 3, "real_lora": 3, "real_rollback": 3,
-                                          "real_lora_k2": 3})
+                                          "real_lora_k2": 3, "real_rollback_epochs": 2})
     names = ["real_k_fair", "real_entropy_held", "real_lora", "real_rollback"]
     assert lab.seeds == 2 and real.estimate(lab, names)[0] == 15
     fair = real.real_k_fair(lab, log=lambda s: None)
@@ -201,3 +205,14 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     two = stats.two_sided(ends["LoRA r=1"], ends["K=2, B=3"])
     assert f"two-sided permutation p = {two:.3f})" in k2["measured"] and "K=2/B=3, against full" in k2["claim"]
     assert k2["verdict"] == f"LoRA r=1: {'reproduced' if two < 0.025 else 'inconclusive'}"
+    epochs = real.real_rollback_epochs(lab, log=lambda s: None)    # its own arm without rollback
+    assert len(lab.calls) == 25
+    ended = {label: sum(json.loads((lab.out("real_rollback_epochs", label, s) / "summary.json").read_text())
+                        ["eval_one_answer_end"] >= real.COLLAPSED for s in range(2))
+             for label in real.SETTINGS["real_rollback_epochs"]}
+    none, back = ended.values()
+    e = stats.fisher(none, 2, back, 2)
+    assert f"runs ending on one answer: K=8, B=3, two epochs {none}/2, with --rollback 3 {back}/2, one-sided " \
+           f"Fisher p = {e:.3f}" in epochs["measured"] and "(K=8, B=3, two epochs)" in epochs["claim"]
+    assert epochs["verdict"] == ("not reproduced: as many ended on one answer" if back >= none else "inconclusive")
+    assert epochs["figure"] == "real_rollback_epochs/compare.png" and (lab.root / epochs["figure"]).exists()
