@@ -20,6 +20,7 @@ the onset may come after the collapse, which the evaluations cannot place closer
 first evaluation after step 0 already meets the rule cannot be warned (no update came before
 step 0) and is counted apart. A false alarm is a healthy run on which the signal fires at all.
 """
+import json
 import math
 import statistics
 from pathlib import Path
@@ -115,9 +116,9 @@ def kept_runs(root: Path) -> list:
     """Every kept DSL run under root's */runs/ made without --rollback (the rule says why), as (folder, seed, path)."""
     found = []
     for cfg in sorted(root.glob("**/runs/*/s*/config.json")):
-        run = cfg.parent
-        text, logged = cfg.read_text(), (run / "metrics.jsonl").exists() or (run / "metrics.jsonl.gz").exists()
-        if not logged or '"task": "tools"' in text or ('"rollback": ' in text and '"rollback": 0' not in text):
+        run, made = cfg.parent, json.loads(cfg.read_text())
+        logged = (run / "metrics.jsonl").exists() or (run / "metrics.jsonl.gz").exists()
+        if not logged or made.get("task") == "tools" or made.get("rollback"):
             continue
         found.append((run.parent, int(run.name[1:]) if run.name[1:].isdigit() else 0, run))
     return found

@@ -174,6 +174,8 @@ def finished(argv: list) -> dict | None:
         summary, saved = result(out), json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    if summary is None:
+        return None
     wanted = flags(argv)
     # a flag added after the run was made is not in its config.json: it ran with that flag's default
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}

@@ -1,6 +1,7 @@
 """The lab end to end in --quick mode (2 seeds, a few steps): every experiment runs, draws its
 figure and gets a verdict computed from its numbers; tools/bench.py measures a step, and
 tools/decode_floor.py's bare decoding computes what a full forward computes."""
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -32,6 +33,13 @@ def test_quick_lab_runs_every_experiment_and_writes_the_summary(tmp_path, capsys
     assert summary["collapse_rate"]["seeds"] == 2 and summary["k2_pm1"]["seeds"] is None
     runs = list((tmp_path / "group_norm" / "runs").glob("*/s1/metrics.jsonl"))
     assert len(runs) == 8          # the moderate-lr settings, one seed-1 run each
+
+
+def kept_rows(run: dict) -> list:
+    """A committed toy run's per-step rows, read by hand from its metrics.jsonl.gz (not through
+    running.report, whose reading is what some of these tests check)."""
+    text = gzip.decompress((Path(__file__).parent.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def test_bench_measures_a_step_of_ours(tmp_path):
@@ -353,24 +361,20 @@ def test_the_per_step_numbers_of_committed_toy_entries_are_recomputed_from_their
     run's committed metrics.jsonl.gz (lab.common.keep) with a plain loop: kl_range's lowest beta
     under 0.01/0.1 (every step after the first) and the held-out reward lost after each setting's
     best evaluation; critic's median explained variance over the first half of each run."""
-    import gzip
     import math
     results = Path(__file__).parent.parent / "results"
     entry = json.loads((results / "summary.json").read_text())
 
-    def rows(run):
-        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
-        return [json.loads(line) for line in text.splitlines()]
     kl = json.loads((results / "kl_range" / "summaries.json").read_text())
     low = list(kl)[0]
     assert "--kl-target-min 0.01" in low
-    lowest = min(row["kl_coef"] for run in kl[low] for row in rows(run)[1:])
+    lowest = min(row["kl_coef"] for run in kl[low] for row in kept_rows(run)[1:])
     assert f"lowest beta reached with 0.01/0.1: {lowest:.3g};" in entry["kl_range"]["measured"]
     lost = []
     for runs in kl.values():
         gaps = []
         for run in runs:
-            evals = [row["eval_reward_mean"] for row in rows(run) if "eval_reward_mean" in row]
+            evals = [row["eval_reward_mean"] for row in kept_rows(run) if "eval_reward_mean" in row]
             gaps.append(max(evals) - evals[-1])
         lost.append(f"{sum(gaps) / len(gaps):.2f}")
     assert "(early stopping's gain): " + ", ".join(lost) in entry["kl_range"]["measured"]
@@ -378,7 +382,7 @@ def test_the_per_step_numbers_of_committed_toy_entries_are_recomputed_from_their
     for label, setting in (("shared", "--critic shared"), ("separate", "--critic separate")):
         medians = []
         for run in critic[setting]:
-            steps = rows(run)[1:]
+            steps = kept_rows(run)[1:]
             xs = sorted(row["explained_variance"] for row in steps[:len(steps) // 2]
                         if row.get("explained_variance") is not None and math.isfinite(row["explained_variance"]))
             mid = len(xs) // 2
@@ -404,13 +408,11 @@ def test_the_rerun_toy_entries_per_step_numbers_from_their_kept_runs():
     """dynamic_sampling's samples a step (its own runs) and zero-variance groups trained on
     (group_norm's runs, without it), recomputed from the committed metrics.jsonl.gz with a plain
     loop: every step after step 0, each run's mean, then the mean over runs."""
-    import gzip
     results = Path(__file__).parent.parent / "results"
     measured = json.loads((results / "summary.json").read_text())["dynamic_sampling"]["measured"]
 
     def run_mean(run, key):
-        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
-        values = [json.loads(line).get(key) for line in text.splitlines()][1:]
+        values = [row.get(key) for row in kept_rows(run)][1:]
         values = [v for v in values if v is not None]
         return sum(values) / len(values)
 
@@ -429,13 +431,9 @@ def test_entropy_curriculum_and_mismatch_per_step_numbers_from_their_kept_runs()
     with plain loops: entropy's token entropy over each run's last 10 steps (mean and population
     spread over runs), curriculum's share of groups with one reward over steps 1-33, and
     mismatch's mean log-prob gap between sampler and trainer over every logged step."""
-    import gzip
     results = Path(__file__).parent.parent / "results"
     entry = json.loads((results / "summary.json").read_text())
 
-    def rows(run):
-        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
-        return [json.loads(line) for line in text.splitlines()]
 
     def arms(folder):
         return json.loads((results / folder / "summaries.json").read_text()).values()
@@ -450,14 +448,14 @@ def test_entropy_curriculum_and_mismatch_per_step_numbers_from_their_kept_runs()
         return (sum((x - mean(xs)) ** 2 for x in xs) / len(xs)) ** 0.5
     entropies = []
     for arm in arms("entropy"):
-        ends = [run_mean("entropy", rows(run)[-10:]) for run in arm]
+        ends = [run_mean("entropy", kept_rows(run)[-10:]) for run in arm]
         entropies.append(f"{mean(ends):.3f} ± {pstdev(ends):.3f}")
     assert entry["entropy"]["measured"].startswith(
         f"token entropy over the last 10 steps: {entropies[0]} without a bonus, {entropies[1]} with 0.01 -> 0.001")
-    shares = [mean([run_mean("frac_reward_zero_std", rows(run)[1:34]) for run in arm]) for arm in arms("curriculum")]
+    shares = [mean([run_mean("frac_reward_zero_std", kept_rows(run)[1:34]) for run in arm]) for arm in arms("curriculum")]
     assert (f"mean over the first third of the steps: long from the start {shares[0]:.2f}; short -> long "
             f"{shares[1]:.2f}" in entry["curriculum"]["measured"])
-    gaps = [mean([run_mean("sampling/sampling_logp_difference/mean", rows(run)) for run in arm])
+    gaps = [mean([run_mean("sampling/sampling_logp_difference/mean", kept_rows(run)) for run in arm])
             for arm in arms("mismatch")]
     measured = entry["mismatch"]["measured"]
     for name, gap in zip(("null (fp32 sampler)", "bf16 sampler", "bf16 + TIS", "bf16 + ICEPOP", "4 updates stale",
@@ -471,17 +469,13 @@ def test_the_monitor_lead_times_and_entropy_collapse_end_entropy_from_their_kept
     the first alarm the first step with entropy < 0.5, KL > 0.5 or, once 10 rewards are in, their
     range over the last 10 > 0.3 (report 002); and entropy_collapse's mean entropy of the last 10
     steps per arm."""
-    import gzip
     results = Path(__file__).parent.parent / "results"
     entry = json.loads((results / "summary.json").read_text())
 
-    def rows(run):
-        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
-        return [json.loads(line) for line in text.splitlines()]
     sick = json.loads((results / "group_norm_aggressive_lr" / "summaries.json").read_text())["--k 2 --batch 3 --norm group"]
     leads = []
     for run in sick:
-        steps = rows(run)[1:]
+        steps = kept_rows(run)[1:]
         if steps[-1]["valid_rate"] >= 0.5:
             continue
         collapse = len(steps) - 1
@@ -503,7 +497,7 @@ def test_the_monitor_lead_times_and_entropy_collapse_end_entropy_from_their_kept
     for runs in arms.values():
         per_run = []
         for run in runs:
-            last = [row["entropy"] for row in rows(run)[-10:] if row.get("entropy") is not None]
+            last = [row["entropy"] for row in kept_rows(run)[-10:] if row.get("entropy") is not None]
             per_run.append(sum(last) / len(last))
         ends.append(f"entropy at the end {sum(per_run) / len(per_run):.3f},")
     measured = entry["entropy_collapse"]["measured"].split("; ")
@@ -514,7 +508,6 @@ def test_kl_regimes_beta_floor_and_reward_rise_from_its_kept_runs():
     """kl_regime's two per-step figures, by hand from the kept runs: how many 0.01/0.1 runs took
     beta to 0.002 or below at some step after step 0, and each arm's rollout reward from step 1
     to the last step, averaged over runs."""
-    import gzip
     results = Path(__file__).parent.parent / "results"
     measured = json.loads((results / "summary.json").read_text())["kl_regime"]["measured"]
     arms = list(json.loads((results / "kl_regime" / "summaries.json").read_text()).values())
@@ -522,8 +515,7 @@ def test_kl_regimes_beta_floor_and_reward_rise_from_its_kept_runs():
     for i, runs in enumerate(arms):
         total = 0.0
         for run in runs:
-            text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
-            steps = [json.loads(line) for line in text.splitlines()][1:]
+            steps = kept_rows(run)[1:]
             total += steps[-1]["reward_mean"] - steps[0]["reward_mean"]
             if i == 0 and any(row.get("kl_coef") is not None and row["kl_coef"] <= 0.002 for row in steps):
                 floor += 1
@@ -536,15 +528,13 @@ def test_rce_grpos_over_training_count_from_its_kept_runs():
     """rce_grpo's GRPO-only runs read for report 003's over-training by hand: the held-out answer
     NLL at the last evaluation at least 10% above its lowest, with the training prompts' NLL at
     the end no higher than at that lowest evaluation."""
-    import gzip
     results = Path(__file__).parent.parent / "results"
     measured = json.loads((results / "summary.json").read_text())["rce_grpo"]["measured"]
     grpo_only = json.loads((results / "rce_grpo" / "summaries.json").read_text())[
         "--steps 120 --kl-control range --kl-target-min 0.01 --kl-target-max 0.1 --kl-coef 1 --save-every 40"]
     over = 0
     for run in grpo_only:
-        text = gzip.decompress((results.parent / run["out"] / "metrics.jsonl.gz").read_bytes()).decode()
-        evals = [row for row in map(json.loads, text.splitlines()) if row.get("eval_answer_nll") is not None]
+        evals = [row for row in kept_rows(run) if row.get("eval_answer_nll") is not None]
         low = evals[0]
         for row in evals:
             if row["eval_answer_nll"] < low["eval_answer_nll"]:
