@@ -367,7 +367,7 @@ def main() -> None:
           f"{best[-1]:.2f}, median {statistics.median(best):.2f}, over {len(best)} runs")
     print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
     print("how often a setting ends collapsed (Fisher's exact test)")
-    for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3)):
+    for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3), (0.7, 0.1), (0.7, 0.4)):
         print(f"  {p1:.0%} against {p2:.0%}: {seeds_for_counts(p1, p2)} runs an arm")
     print(f"a difference of held-out means, at the sd above ({sd:.3f})")
     for effect in (0.1, 0.15, 0.25):
