@@ -6,11 +6,11 @@ collapse count beside its null; and --rollback, which undoes a collapse once it 
     reward_swing   max - min of the mean reward over the last 10 steps above a ceiling   (oscillation)
 
 Report 002's thresholds (REPORT_002: entropy 0.5, KL 0.5, swing 0.3) fire on every healthy run
-the lab has kept: entropy_low on 668 of 668 toy runs and 54 of 54 SmolLM2 runs, reward_swing on
-646 of 668 and 52 of 54 (`python -m lab detectors`, results/detectors/table.md). An alarm that
+the lab has kept: entropy_low on 668 of 668 toy runs and 61 of 61 SmolLM2 runs, reward_swing on
+646 of 668 and 59 of 61 (`python -m lab detectors`, results/detectors/table.md). An alarm that
 fires on healthy runs warns of nothing, so StabilityMonitor's defaults are the bench's: the round
-values at which each fired on at most 10% of the healthy runs of both models. At the fourth
-reading: entropy < 0.005 on 5 of 668 and 0 of 54; swing > 2 on 6 of 668 and 1 of 54; KL > 4 on 9
+values at which each fired on at most 10% of the healthy runs of both models. At the fifth
+reading: entropy < 0.005 on 5 of 668 and 0 of 61; swing > 2 on 6 of 668 and 1 of 61; KL > 4 on 9
 of 99 toy runs with a reference (moved from 2.5, which fired on 19 at the third: rce_grpo's GRPO
 stage). They warned 2 of the 108 collapsed runs in time: the bench found no signal that warns
 at that false-alarm rate. The entropy one is the field alert_entropy.
