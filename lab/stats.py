@@ -185,7 +185,9 @@ AFTER_THE_FACT = (
 # The SmolLM2 lab's 3-seed comparisons (results/smollm2-135m), whose rules named no test either:
 # (the SUMMARY entry, what is claimed, arm, arm, what is compared), each arm (experiment, run
 # folder). "best": the held-out best at the end, the first arm's above the second's (permutation
-# test); "one answer": runs ending on one answer, the first arm's count above the second's (Fisher).
+# test); "one answer": runs ending on one answer, the first arm's count above the second's (Fisher);
+# "paired": the one-answer share at the end, the first arm's above the second's seed by seed (sign
+# flip), for arms whose runs of one seed are one run until a flag acts (a rollback: Lesson 14).
 K8, TWO_EPOCHS = ("real_group_size", "K=8,_B=3"), ("real_entropy_collapse", "two_epochs")
 BONUS = ("real_group_size", "K=8,_B=3,_entropy_bonus_0.01")
 REAL_AFTER_THE_FACT = (
@@ -198,6 +200,8 @@ REAL_AFTER_THE_FACT = (
       for fix, folder in (("Clip-Cov", "Clip-Cov"), ("80/20", "80_20"), ("adaptive entropy", "adaptive_entropy"))),
     *(("real_entropy_collapse", f"{fix} off one answer more often than two epochs alone", TWO_EPOCHS,
        ("real_entropy_collapse", f"two_epochs,_{fix}"), "one answer") for fix in ("clip-higher", "CISPO")),
+    ("real_rollback", "--rollback 3 ends less on one answer than the same seed without", ("real_k_fair", "K=8,_B=3"),
+     ("real_rollback", "K=8,_B=3,_rollback_3"), "paired"),
 )
 
 
@@ -210,6 +214,11 @@ def real_after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, s
             continue
         if kind == "best":
             out.append(means_test(name, *(committed(*arm, "eval_best_rate_end", root) for arm in (first, second))))
+        elif kind == "paired":
+            d = [x - y for x, y in zip(*(committed(*arm, "eval_one_answer_end", root) for arm in (first, second)))]
+            p = sign_flip(d)
+            out.append((name, p, f"{name}: lower in {sum(x > 0 for x in d)} of {len(d)} seeds, higher in "
+                                 f"{sum(x < 0 for x in d)}, one-sided sign-flip p = {p_value(p)}{undecided(p)}"))
         else:
             a, b = ([(v or 0) >= common.COLLAPSED for v in committed(*arm, "eval_one_answer_end", root)] for arm in (first, second))
             out.append(counts_test(name, sum(a), len(a), sum(b), len(b), "on one answer ", " against "))
