@@ -182,7 +182,7 @@ AFTER_THE_FACT = (
 )
 
 
-# The SmolLM2 lab's 3-seed comparisons (results/smollm2-135m), whose rules named no test either:
+# The SmolLM2 lab's comparisons tested after the runs (the 3-seed ones' rules named no test):
 # (the SUMMARY entry, what is claimed, arm, arm, what is compared), each arm (experiment, run
 # folder). "best": the held-out best at the end, the first arm's above the second's (permutation
 # test); "one answer": runs ending on one answer, the first arm's count above the second's (Fisher);
