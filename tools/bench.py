@@ -6,6 +6,7 @@
     python -m tools.bench logprobs                            # peak extra memory of logprobs.token_logprobs
     python -m tools.bench --model smollm2-135m --steps 4 --warmup 1   # a real model on the DSL task's prompts
     python -m tools.bench --model smollm2-135m --steps 4 --warmup 1 --lora-rank 1   # LoRA (lora.py)
+    python -m tools.bench --config 135m --bf16 --vs-trl --lora-rank 1   # against TRL's LoRA (pip install peft)
     python -m tools.bench bf16                                # is bf16 faster than float32 on this machine?
     python -m tools.bench generate --config qwen0.5b --bf16  # plain generate against a static KV cache (compiled on a GPU)
     python -m tools.bench warmstart --model smollm2-135m --task tools   # peak RSS of 2 warm-start steps
@@ -28,6 +29,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -215,6 +217,11 @@ def run_trl(cfg: dict, steps: int, bf16: bool, device: str, model_name: str = ""
     from trl import GRPOConfig, GRPOTrainer
     model, tok = build(cfg, model_name)
     n = cfg["b"] * cfg["k"]
+    peft = None
+    if cfg.get("lora_rank"):     # TRL's LoRA is peft's; its reference, too, is the policy with adapters off
+        from peft import LoraConfig
+        peft = LoraConfig(r=cfg["lora_rank"], lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                          task_type="CAUSAL_LM")
     data = Dataset.from_dict({"prompt": [p for s in range(steps) for p in prompts(cfg, cfg["b"], s, tok)]})
     times = []
 
@@ -241,7 +248,7 @@ def run_trl(cfg: dict, steps: int, bf16: bool, device: str, model_name: str = ""
                           report_to="none", save_strategy="no", logging_steps=10 ** 6,
                           disable_tqdm=True, shuffle_dataset=False, seed=0, dataloader_num_workers=0)
         trainer = GRPOTrainer(model=f"{out}/model", reward_funcs=reward, args=args, train_dataset=data,
-                              processing_class=tok, callbacks=[Clock()])
+                              processing_class=tok, callbacks=[Clock()], peft_config=peft)
         trainer.train()
     return dict(times=times, peak_mb=report.peak_memory_mb())
 
@@ -392,7 +399,7 @@ def launch(args, who: str) -> dict:
     cmd = [sys.executable, "-m", "tools.bench", "--worker", who, "--config", args.config, "--steps", str(args.steps),
            "--threads", str(args.threads), "--model", args.model, "--task", args.task] + ["--bf16"] * args.bf16 + \
         ["--plain"] * args.plain + ["--no-shared-prefix"] * args.no_shared_prefix + \
-        ["--each-prompt-whole"] * args.each_prompt_whole + ["--lora-rank", str(args.lora_rank)] * (who == "ours")
+        ["--each-prompt-whole"] * args.each_prompt_whole + ["--lora-rank", str(args.lora_rank)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         sys.exit(f"python -m tools.bench: the {who} run failed:\n{out.stderr[-3000:]}")
@@ -453,8 +460,8 @@ def main(argv=None):
         p.error(f"--pairs must be >= 1, got {args.pairs}")
     if not 0 <= args.lora_rank <= 4096:
         p.error(f"--lora-rank must be in [0, 4096], got {args.lora_rank}")
-    if args.lora_rank and args.vs_trl:
-        p.error("--lora-rank measures ours alone (TRL's LoRA goes through peft, not installed here); drop --vs-trl")
+    if args.lora_rank and args.vs_trl and importlib.util.find_spec("peft") is None:
+        p.error("--lora-rank with --vs-trl needs peft for TRL's LoRA (pip install peft); or drop --vs-trl")
     if args.json and (Path(args.json).is_dir() or not (config.writable(Path(args.json).parent) and
                       (not Path(args.json).exists() or os.access(args.json, os.W_OK)))):
         p.error(f"--json: cannot write {args.json!r}")         # found now, not after the benchmark
