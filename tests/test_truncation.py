@@ -129,7 +129,8 @@ def test_bad_truncation_is_one_line_and_exit_2(tmp_path, capsys, argv, said):
 def test_a_top_p_run_takes_the_replay_ratio_to_one(tmp_path):
     """Three steps with top-p 0.8 and the sampler's log-probs as pi_old
     (--rollout-correction bypass): without the replay the on-policy ratio sits below 1 (the kept
-    mass); with it, exactly 1."""
+    mass); with it, exactly 1. On a CPU: under a GPU's bf16 the sampler's and the trainer's
+    log-probs differ by themselves (Lesson 9), so no ratio is exactly 1."""
     from conftest import quick
     import json
     import train
@@ -137,7 +138,7 @@ def test_a_top_p_run_takes_the_replay_ratio_to_one(tmp_path):
     ratios = {}
     for name, extra in (("plain", ()), ("replay", ("--mask-replay",))):
         train.train(config.parse_config(quick(tmp_path, name, "--batch", "4", "--k", "8", "--top-p", "0.8",
-                                              "--rollout-correction", "bypass", *extra)))
+                                              "--rollout-correction", "bypass", "--device", "cpu", *extra)))
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
         ratios[name] = [(r["ratio_min"], r["ratio_max"]) for r in rows if r["updated"]]
     assert ratios["plain"] and ratios["replay"]
