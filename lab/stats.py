@@ -202,6 +202,8 @@ REAL_AFTER_THE_FACT = (
        ("real_entropy_collapse", f"two_epochs,_{fix}"), "one answer") for fix in ("clip-higher", "CISPO")),
     ("real_rollback", "--rollback 3 ends less on one answer than the same seed without", ("real_k_fair", "K=8,_B=3"),
      ("real_rollback", "K=8,_B=3,_rollback_3"), "paired"),
+    ("real_rollback_epochs", "--rollback 3 ends less on one answer than the same seed without",
+     ("real_rollback_epochs", "K=8,_B=3,_two_epochs"), ("real_rollback_epochs", "K=8,_B=3,_two_epochs,_rollback_3"), "paired"),
 )
 
 

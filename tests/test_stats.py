@@ -141,19 +141,23 @@ def test_the_smallest_count_fishers_test_can_see_by_hand():
     assert stats.smallest_count(20, 20) == 5 and stats.fisher(4, 20, 0, 20) >= 0.05
 
 
-def test_rollback_is_tested_paired_by_seed_after_the_fact():
-    """real_rollback's runs and real_k_fair's K=8/B=3 runs share their seeds, and a rollback run is
-    its twin until its first rollback: SUMMARY.md prints, beside the registered unpaired test, the
+@pytest.mark.parametrize("experiment, twin, rolled", [
+    ("real_rollback", "real_k_fair/runs/K=8,_B=3", "real_rollback/runs/K=8,_B=3,_rollback_3"),
+    ("real_rollback_epochs", "real_rollback_epochs/runs/K=8,_B=3,_two_epochs",
+     "real_rollback_epochs/runs/K=8,_B=3,_two_epochs,_rollback_3")])
+def test_rollback_is_tested_paired_by_seed_after_the_fact(experiment, twin, rolled):
+    """A rollback run and its no-rollback twin share their seed, and the rollback run is its twin
+    until its first rollback: SUMMARY.md prints, beside the registered unpaired test, the
     one-answer share at the end compared seed by seed. Its p is the share of the 2^10 sign patterns
     (a plain loop over bit masks) whose mean difference is at least the observed one."""
     import json
     read = lambda arm: [json.loads((stats.REAL / arm / f"s{s}" / "summary.json").read_text())["eval_one_answer_end"]
                         for s in range(10)]
-    d = [x - y for x, y in zip(read("real_k_fair/runs/K=8,_B=3"), read("real_rollback/runs/K=8,_B=3,_rollback_3"))]
+    d = [x - y for x, y in zip(read(twin), read(rolled))]
     seen = sum(d) / len(d)
     naive = sum(sum(v if mask >> i & 1 else -v for i, v in enumerate(d)) / len(d) >= seen - 1e-12
                 for mask in range(2 ** len(d))) / 2 ** len(d)
-    (name, p, line), = stats.real_after_the_fact(stats.REAL, "real_rollback")
+    (name, p, line), = stats.real_after_the_fact(stats.REAL, experiment)
     assert p == pytest.approx(naive) and naive > stats.ALPHA      # paired, still inconclusive
     assert f"lower in {sum(x > 0 for x in d)} of 10 seeds, higher in {sum(x < 0 for x in d)}" in line
     assert line.endswith(f"p = {stats.p_value(naive)} (inconclusive)")
