@@ -78,7 +78,8 @@ def summary_md(results: dict, root: Path | None = None) -> str:
                       f"{changed.get('registered')} (\"{changed['rule']}\") the verdict was: {changed['verdict']}")
         tested = stats.after_the_fact(root, name) if root and not r.get("quick") else []
         if tested:
-            why = "beside the registered test" if "test" in rule.get("text", "") else "the rule named no test"
+            why = "beside the registered test" if stats.NAMED_TEST.search(rule.get("text", "")) else \
+                "the rule named no test"
             ruled += (f"\n- **Tested after the runs** ({why}; one-sided, alpha {stats.ALPHA}; "
                       f"a mean is the held-out best at the end): " + "; ".join(phrase for _, _, phrase in tested))
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"

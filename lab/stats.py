@@ -23,12 +23,14 @@ import itertools
 import json
 import math
 import random
+import re
 import statistics
 from pathlib import Path
 
 from lab import common
 
 ALPHA = 0.05
+NAMED_TEST = re.compile(r"Fisher|permutation|sign.flip|exact test")   # how a rule names its test (not "untested")
 RESAMPLES = 20000
 
 

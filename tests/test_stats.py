@@ -161,3 +161,15 @@ def test_rollback_is_tested_paired_by_seed_after_the_fact(experiment, twin, roll
     assert p == pytest.approx(naive) and naive > stats.ALPHA      # paired, still inconclusive
     assert f"lower in {sum(x > 0 for x in d)} of 10 seeds, higher in {sum(x < 0 for x in d)}" in line
     assert line.endswith(f"p = {stats.p_value(naive)} (inconclusive)")
+
+
+def test_a_rule_names_its_test_by_the_test_not_by_the_word():
+    """SUMMARY's "Tested after the runs" says "beside the registered test" only where the rule
+    names one: grad_clip's rule ("the tightest clip") and entropy_collapse_2026's ("untested")
+    hold the letters "test" and name none; real_rollback_epochs' names Fisher's."""
+    import json
+    toy = json.loads((stats.REAL.parent / "summary.json").read_text())
+    real = json.loads((stats.REAL / "summary.json").read_text())
+    for rule, named in ((toy["grad_clip"]["rule"]["text"], False), (toy["entropy_collapse_2026"]["rule"]["text"], False),
+                        (real["real_rollback_epochs"]["rule"]["text"], True), (toy["kl_regime"]["rule"]["text"], True)):
+        assert "test" in rule and bool(stats.NAMED_TEST.search(rule)) is named, rule
