@@ -169,6 +169,14 @@ def test_bench_and_lab_refuse_bad_flags_before_any_work(capsys, tmp_path):
     exits_2(capsys, lambda: decode_floor.main(["--model", "no-such-model"]), "--model")
 
 
+def test_bench_refuses_trl_lora_without_peft_before_any_work(capsys, monkeypatch):
+    """--vs-trl --lora-rank runs TRL's LoRA through peft: where peft is missing, one line and exit 2
+    before a model is built (peft is not a dependency of this project)."""
+    find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    exits_2(capsys, lambda: bench.main(["--vs-trl", "--lora-rank", "1"]), "--lora-rank with --vs-trl needs peft")
+
+
 def test_compare_checks_columns_before_any_run_and_tables_what_is_there(capsys, tmp_path):
     exits_2(capsys, lambda: compare.main(["--k 8", "--columns", "eval_bogus_end", "--out", str(tmp_path)]),
             "--columns")
