@@ -1,5 +1,5 @@
 """The lab's figures other than a comparison's (lab/compare.py): Lesson 1's advantage
-distributions, bars over seeds, and report 002's monitor on a run's curves.
+distributions and bars over seeds.
 
     python -m lab.figures         # results/k2_pm1/advantages.png, the K=2 +-1 spikes, and its table
 """
@@ -15,7 +15,6 @@ import matplotlib.pyplot as plt
 import torch
 
 import advantages as adv
-import monitor
 
 # The reward mix of report 001's starting point: 42.8% off-format (0), 57.2% valid DSL,
 # of which a minority is the best workflow. The split of the valid share into 0.2 and 1.0
@@ -134,24 +133,6 @@ def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path
     ax.set(ylabel=ylabel)
     ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     ax.legend(fontsize=6, ncol=2)
-    return save(fig, path)
-
-
-def plot_monitor(path: Path, rows: list, title: str) -> Path:
-    """A run's curves with the stability monitor's alerts as shaded steps, one band per alert."""
-    rows = [r for r in rows if "valid_rate" in r]
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for key, style in [("valid_rate", "C2-"), ("reward_mean", "C0-"), ("entropy", "C1-"), ("kl", "C4-")]:
-        ys = [r.get(key) for r in rows]
-        if any(y is not None for y in ys):
-            ax.plot(steps, [y if y is not None else float("nan") for y in ys], style, label=key)
-    alerts = monitor.replay(rows)              # report 002's thresholds, whatever the run logged
-    for i, name in enumerate(["entropy_low", "kl_high", "reward_swing"]):
-        on = [s for s, a in zip(steps, alerts) if name in a]
-        ax.plot(on, [-0.05 - 0.05 * i] * len(on), "|", color=f"C{i + 5}", ms=8, label=f"alert {name}")
-    ax.set(xlabel="step", title=f"stability monitor (report 002 thresholds) on {title}")
-    ax.legend(fontsize=7, ncol=2)
     return save(fig, path)
 
 

@@ -32,8 +32,8 @@ from lab.common import Lab
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
-from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime, monitor_warning
-from lab.report003 import kl_range, kl_regime, rce_grpo
+from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime
+from lab.report003 import kl_range, kl_regime, kl_regime_fixed, rce_grpo
 from lab import real, real_collapse, stats
 from lab.detectors import detectors, rollback, rollback_stale
 from lab.collapse import (collapse_rate, entropy_collapse, entropy_collapse_epochs, entropy_collapse_2026, mismatch,
@@ -43,16 +43,16 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "probe_001": probe_001, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip, "grad_clip_regime": grad_clip_regime,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "kl_regime": kl_regime,
+               "kl_regime_fixed": kl_regime_fixed,
                "rce_grpo": rce_grpo, "tools": tools,
                "curriculum": curriculum, "tools_ppo": tools_ppo, "entropy": entropy,
-               "monitor": monitor_warning,
                "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
                "entropy_collapse_epochs": entropy_collapse_epochs, "entropy_collapse_2026": entropy_collapse_2026,
                "mismatch": mismatch,
                "trust_regions_stale": trust_regions_stale, "detectors": detectors,
                "rollback": rollback, "rollback_stale": rollback_stale}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
-NEEDS = {"monitor": ["group_norm"], "dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
+NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
 def summary_md(results: dict, root: Path | None = None) -> str:

@@ -1,6 +1,6 @@
 """The lab's experiments on report 002 (a collapse post-mortem): batch size and gradient variance,
-gradient clipping, fixed against scheduled hyper-parameters, entropy, and the stability monitor
-(docs/reports.md)."""
+gradient clipping, fixed against scheduled hyper-parameters, and entropy (docs/reports.md; report
+002's stability monitor is the detector bench's question now: lab/detectors.py)."""
 import json
 import statistics
 
@@ -9,7 +9,6 @@ import torch
 import advantages
 import grpo
 import logprobs
-import monitor
 import update
 from models import policy
 import rewards
@@ -207,41 +206,3 @@ def entropy(lab: Lab) -> dict:
                 # rule: the bonus keeps entropy higher, and the guard caught a non-finite step in every run
                 verdict="reproduced" if higher and all(s > 0 for s in skipped) else
                 "partly" if higher else "not reproduced")
-
-
-# ---- 13. The stability monitor (report 002) ----
-
-def monitor_warning(lab: Lab) -> dict:
-    """Report 002's monitor on collapsing runs: how many steps of warning (report 002).
-
-    On group_norm's aggressive-lr K=2 runs: steps between the first alert and the collapse
-    (the first step whose rollout valid rate stays below 0.5 to the end); and how often the
-    same alerts fire on the healthy default runs (K=8, B=8, global, lr 1e-3)."""
-    agg = json.loads((lab.root / "group_norm_aggressive_lr" / "summaries.json").read_text())
-    sick = next(runs for name, runs in agg.items() if name.startswith("--k 2"))
-    ok = json.loads((lab.root / "group_norm" / "summaries.json").read_text())
-    healthy = next(runs for name, runs in ok.items() if name.startswith("--k 8 --batch 8 --norm global"))
-    warnings, plotted = [], None
-    for run in sick:
-        rows = metric_rows(run)[1:]
-        below = [x["valid_rate"] < 0.5 for x in rows]
-        if not below[-1]:
-            continue
-        collapse = next(i for i in range(len(rows)) if all(below[i:]))
-        alerted = [i for i, a in enumerate(monitor.replay(rows)) if a]       # report 002's thresholds
-        first = alerted[0] if alerted else None
-        warnings.append(collapse - first if first is not None and first <= collapse else None)
-        plotted = plotted or run
-    false_alarm = mean(sum(map(bool, monitor.replay(metric_rows(run)[1:]))) / max(1, len(metric_rows(run)) - 1)
-                       for run in healthy)
-    if plotted:
-        figures.plot_monitor(lab.dir("monitor") / "monitor.png", metric_rows(plotted), "a collapsing K=2 run (lr 7e-3)")
-    found = [w for w in warnings if w is not None]
-    return dict(report="002", figure="monitor/monitor.png" if plotted else None,
-                claim="alerts at entropy < 0.5, KL > 0.5, reward swing > 0.3 over 10 steps warn of a collapse",
-                measured=f"{len(warnings)} collapsing runs; steps of warning before the collapse: {warnings}; "
-                         f"on the healthy default runs some alert is active in {false_alarm:.0%} of the steps",
-                # rule: the monitor warned before every collapse AND is mostly silent on healthy runs
-                verdict="reproduced" if found and len(found) == len(warnings) and false_alarm < 0.2
-                else "not reproduced: the alerts fire on healthy runs too" if false_alarm >= 0.2
-                else "not reproduced")

@@ -51,6 +51,17 @@ def kl_range(lab: Lab) -> dict:
 
 # ---- 8b. The same, in report 003's regime: a strong baseline, a reward partly misaligned ----
 
+MISJUDGED = "--k 8 --norm global --reward misjudged --epochs 5 --steps 60 --lr 1e-3 --eval-every 10"   # stage 2
+
+
+def strong_baseline(lab: Lab, name: str) -> Path:
+    """Stage 1: one GRPO run of the main job's settings (150 steps, seed 0) that learns the task;
+    its checkpoint, which stage 2 starts from (--init-from) and keeps as the KL's reference."""
+    base = lab.sweep(f"{name}/baseline", ["--k 8 --norm global --steps 150 --save-every 150"], "--lr 1e-3",
+                     ("eval_best_rate",), seeds=range(1))
+    return Path(next(iter(base.values()))[0]["out"])
+
+
 def kl_regime(lab: Lab) -> dict:
     """Report 003's range rule where its run started: from a strong baseline, on a reward partly
     misaligned with the held-out metric, 20 seeds an arm (003).
@@ -60,14 +71,10 @@ def kl_regime(lab: Lab) -> dict:
     reference): GRPO on --reward misjudged (report 003's composite reward from a judge wrong on
     a quarter of the training prompts), 5 epochs a batch as kl_range, beta from 10 (the report's
     start) under the range rule with the report's targets 0.01/0.1 and its fix 0.05/0.2."""
-    base = lab.sweep("kl_regime/baseline", ["--k 8 --norm global --steps 150 --save-every 150"], "--lr 1e-3",
-                     ("eval_best_rate",), seeds=range(1))
-    start = Path(next(iter(base.values()))[0]["out"])
+    start = strong_baseline(lab, "kl_regime")
     arms = {"0.01/0.1": "--kl-target-min 0.01 --kl-target-max 0.1",
             "0.05/0.2": "--kl-target-min 0.05 --kl-target-max 0.2"}
-    r = lab.sweep("kl_regime", list(arms.values()),
-                  f"--k 8 --norm global --reward misjudged --epochs 5 --steps 60 --lr 1e-3 --eval-every 10 "
-                  f"--kl-control range --kl-coef 10 --init-from {start}",
+    r = lab.sweep("kl_regime", list(arms.values()), f"{MISJUDGED} --kl-control range --kl-coef 10 --init-from {start}",
                   ("eval_best_rate", "kl_coef", "reward_mean", "eval_answer_nll"), seeds=range(20))
     runs = {arm: r[lab.shrink(flags)] for arm, flags in arms.items()}
     end_best = {arm: [x["eval_best_rate_end"] for x in rs] for arm, rs in runs.items()}
@@ -109,6 +116,36 @@ def kl_regime(lab: Lab) -> dict:
                          "keeps): " + ", ".join(f"{a} {v:.3f}" for a, v in kept.items()),
                 verdict="reproduced" if len(holds) == 2 else f"partly: {holds[0]}" if holds
                 else "not reproduced" if mean(end_best["0.01/0.1"]) >= baseline else "inconclusive")
+
+
+def kl_regime_fixed(lab: Lab) -> dict:
+    """kl_regime's control: is its fall beta's? The same two stages, with beta held fixed at 10
+    (the range rule's start) and at 0.001 (where the range rule took it) (003)."""
+    start = strong_baseline(lab, "kl_regime_fixed")          # kl_regime's baseline command, run again
+    arms = {"10": "--kl-coef 10", "0.001": "--kl-coef 0.001"}
+    r = lab.sweep("kl_regime_fixed", list(arms.values()), f"{MISJUDGED} --kl-control fixed --init-from {start}",
+                  ("eval_best_rate", "reward_mean"), seeds=range(20))
+    end_best = {arm: [x["eval_best_rate_end"] for x in r[lab.shrink(flags)]] for arm, flags in arms.items()}
+    baseline = mean(x["eval_best_rate_start"] for rs in r.values() for x in rs)
+    # rule (written before the first run): kl_regime's two stages (its baseline command; then GRPO on
+    # --reward misjudged, 5 epochs a batch, 60 steps, lr 1e-3, 20 seeds 0-19) with beta fixed at 10 and
+    # at 0.001. Two one-sided exact tests at alpha 0.05 on the held-out best at the end: 1. beta 10
+    # ends above beta 0.001 (the permutation test, 20 runs against 20; it detects 0.79 sd with power
+    # 0.8); 2. beta 10 ends below the baseline (the sign-flip test of baseline - end over its 20 runs;
+    # 0.56 sd). Verdict: "reproduced" (the fall is beta's) if 1 holds and 2 does not; "partly" if both
+    # hold; "not reproduced" if 2 holds and 1 does not; else "inconclusive".
+    p_held = stats.permutation(end_best["10"], end_best["0.001"])
+    p_fall = stats.sign_flip([baseline - v for v in end_best["10"]])
+    held, fell, n = p_held < stats.ALPHA, p_fall < stats.ALPHA, len(end_best["10"])
+    return dict(report="003", figure="kl_regime_fixed/compare.png",
+                claim="the range rule's fall of beta to 0.001 is what takes GRPO below its strong baseline (kl_regime); "
+                      "a beta held at 10 keeps the run there",
+                measured=f"held-out best rate: the baseline {baseline:.3f}; at the end, fixed beta 10 "
+                         f"{mean(end_best['10']):.3f} (below the baseline in {sum(v < baseline for v in end_best['10'])}"
+                         f"/{n} runs; sign-flip p = {stats.p_value(p_fall)}), fixed beta 0.001 "
+                         f"{mean(end_best['0.001']):.3f} (beta 10 above it: permutation p = {stats.p_value(p_held)})",
+                verdict="reproduced" if held and not fell else "partly: beta 10 ends above 0.001, but below the "
+                "baseline too" if held else "not reproduced: a fixed beta of 10 falls too" if fell else "inconclusive")
 
 
 # ---- 9. RCE, then GRPO; early stopping; every checkpoint against the baseline (report 003) ----
