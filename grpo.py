@@ -245,10 +245,12 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
         sums["ref_kl"] = (k3 * mask).sum().item()
     if hp.entropy_coef > 0:
         per_token = per_token - hp.entropy_coef * entropy
-    # approx_kl = E[(ratio - 1) - log ratio]: k3 of KL(old || new), how far this update moved (CleanRL)
-    approx_kl = kl.estimate(old_logp, logp.detach(), "k3")                     # (n, C)
+    # approx_kl = E[(ratio - 1) - log ratio], CleanRL's: kl.py's k3 of KL(old || new), how far
+    # this update moved, from the token log-ratio x = log pi - log pi_old
+    x = logp.detach() - old_logp                                                # (n, C)
+    approx_kl = torch.exp(x) - x - 1                                            # (n, C)
     if mask.any():                              # the token ratio's extremes (update.EXTREMES)
-        token_ratio = torch.exp(logp.detach() - old_logp)[mask.bool()]
+        token_ratio = torch.exp(x)[mask.bool()]
         sums.update(ratio_min=token_ratio.min().item(), ratio_max=token_ratio.max().item())
     sums.update(entropy=(entropy.detach() * mask).sum().item(), approx_kl=(approx_kl * mask).sum().item())
     # clip fractions: the share of policy tokens; under GSPO's one ratio a sequence, the share of

@@ -222,8 +222,8 @@ class Rollbacks:
         return f"{why}; no checkpoint to go back to yet" if why and not best else None
 
     def take(self, step: int, why: str, to: int, optimizer) -> dict:
-        """Record one rollback and cut every param group's lr: its lr_scale (schedules' lr times it, in
-        train.step_hyper_params) carries the cut, whatever scale the restored optimizer held."""
+        """Record one rollback and cut every param group's lr: its lr_scale (update.lr_at's lr times it,
+        in train.step_hyper_params) carries the cut, whatever scale the restored optimizer held."""
         self.taken.append({"step": step, "why": why, "to": to, "lr_scale": self.cut ** (len(self.taken) + 1)})
         for group in optimizer.param_groups:
             group["lr_scale"] = group.get("lr_scale", 1.0) / group.get("rollback_scale", 1.0) * self.taken[-1]["lr_scale"]

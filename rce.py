@@ -17,7 +17,7 @@ log-likelihood is the sum over its tokens, as in the formula) and a mean over pr
 prompt is one cross-entropy against its own w): our choice, so that the loss is the
 cross-entropy it claims to be; a per-token mean instead would change which candidate a
 weight favours by its length. tau moves linearly from --rce-temp-start 1.7 to
---rce-temp-end 0.5 over the run (report 003's schedule; train.py, schedules.linear).
+--rce-temp-end 0.5 over the run (report 003's schedule; train.py, update.linear).
 
 The limits, which tests/test_rce.py checks: tau -> 0 puts all the weight on the best
 candidate (ties shared), so L is the cross-entropy of the best answer; tau -> inf gives

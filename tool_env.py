@@ -23,6 +23,13 @@ difficulty d asks about d different benchmarks, so the answer that earns the rew
     <answer> vm.swappiness = 10 vm.dirty_ratio = 40 </answer>      (d = 2; any order)
 The prompt repeats the one-benchmark question for each, in words the tiny model already
 has, and the turn limit grows with it: max_turns + d - 1 turns, one more per extra lookup.
+Report 000's curriculum ("start from short examples, then add longer, more complex
+prompts"), --curriculum with --difficulty D: the run in D equal phases, phase d at difficulty d,
+
+    d(s) = 1 + floor((s - 1) * D / total)          s = 1 .. total        (difficulty_at)
+
+so 100 steps at D = 3 are steps 1-34 at 1, 35-67 at 2, 68-100 at 3. Held-out evaluation
+stays at D, the task the run is for.
 
 Every way a turn can fail is a named kind returned in info["failure"], never an exception:
 FAILURES below. Model output is parsed with json.loads and matched against plain dicts;
@@ -37,6 +44,7 @@ answered, correct (the answer, when there is one), turn.
 import json
 import random
 import re
+from dataclasses import dataclass, field
 
 # benchmark -> (the setting it depends on, the values a knowledge base may recommend)
 KNOWLEDGE_BASE = {
@@ -57,6 +65,28 @@ STOP_STRINGS = ("</tool_call>", "</answer>")
 MAX_TURN_CHARS = 2000          # a longer turn is "too_long"
 MAX_JSON_CHARS = 1000
 MAX_DIFFICULTY = 3             # benchmarks per episode at most (tool_task's warm start shows 1 to 3)
+
+
+@dataclass
+class Knobs:
+    """Report 000's tool task: its short-to-long curriculum."""
+    curriculum: bool = field(default=False, metadata={"help": "tools task: train from difficulty 1 up to "
+                             "--difficulty in equal phases (report 000's curriculum: difficulty_at); "
+                             "evaluation stays at --difficulty"})
+
+
+def problems(cfg):
+    """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
+    if cfg.curriculum and cfg.difficulty < 2:
+        yield "curriculum", (f"moves from difficulty 1 up to --difficulty; give --difficulty 2 or more "
+                             f"(it is {cfg.difficulty})")
+    if cfg.curriculum and cfg.steps < cfg.difficulty:
+        yield "curriculum", f"needs a step per difficulty at least: --steps {cfg.steps} < --difficulty {cfg.difficulty}"
+
+
+def difficulty_at(step: int, total: int, final: int) -> int:
+    """The curriculum's difficulty at step `step` (1-based) of `total`: equal phases from 1 up to `final`."""
+    return 1 + (step - 1) * final // total
 
 
 def tag_body(text: str, name: str) -> str | None:

@@ -47,7 +47,7 @@ import ppo
 import rce
 import rewards
 import rollout
-import schedules
+import tool_env
 import update
 from running import checkpoint, distributed
 from running.config import Config, fail, parse_config
@@ -209,13 +209,13 @@ def step_hyper_params(run: Run, step: int) -> grpo.HyperParams:
     the KL controller, the scheduled entropy bonus and RCE temperature, the mini-batch
     shuffle's seed."""
     cfg = run.cfg
-    lr = schedules.lr_at(step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.min_lr, cfg.warmup_steps)
+    lr = update.lr_at(step, cfg.steps, cfg.lr, cfg.lr_schedule, cfg.min_lr, cfg.warmup_steps)
     for group in run.learner.optimizer.param_groups:        # the critic's at --critic-lr / --lr of it
         group["lr"] = lr * group.get("lr_scale", 1.0)
     end = cfg.entropy_coef if cfg.entropy_coef_end < 0 else cfg.entropy_coef_end
-    tau = {"rce_temp": schedules.linear(step, cfg.steps, cfg.rce_temp_start, cfg.rce_temp_end)} if cfg.algo == "rce" else {}
+    tau = {"rce_temp": update.linear(step, cfg.steps, cfg.rce_temp_start, cfg.rce_temp_end)} if cfg.algo == "rce" else {}
     entropy_coef = run.entropy_control.applied() if run.entropy_control else \
-        schedules.linear(step, cfg.steps, cfg.entropy_coef, end)             # --entropy-target: entropy_control.py
+        update.linear(step, cfg.steps, cfg.entropy_coef, end)             # --entropy-target: entropy_control.py
     return dataclasses.replace(run.hp, beta=run.kl_control.beta, seed=cfg.seed * 100003 + step,
                                entropy_coef=entropy_coef, **tau)
 
@@ -261,7 +261,7 @@ def train(cfg: Config) -> dict:
             hp = step_hyper_params(run, step)
             # --difficulty, or the curriculum's phase: never below the last step's (a curriculum
             # resumed with more --steps stretches its phases, and would otherwise step back)
-            level = schedules.difficulty_at(step, cfg.steps, cfg.difficulty, cfg.curriculum)
+            level = tool_env.difficulty_at(step, cfg.steps, cfg.difficulty) if cfg.curriculum else cfg.difficulty
             level = run.state.difficulty = max(level, run.state.difficulty)
             prompts = draw_prompts(run, level)             # this rank's share, under torchrun
             try:

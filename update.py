@@ -26,6 +26,14 @@ mini-batch's counts are summed over ranks and divided by W (so each rank's loss 
 share, and DDP's mean of the W gradients is their sum: the one-process gradient), and DDP
 all-reduces the gradients only in the last micro-batch's backward (one line, nanoGPT's). In
 one process W = 1 and both do nothing.
+
+The step size: train.py sets each step's lr from `lr_at`, a pure function of the step (a
+resumed run needs no scheduler state), warm-up over w steps, then with p = (s - w) / (T - w):
+
+    lr(s) = base * s / w  (s <= w);   constant: base;   linear: min_lr + (base - min_lr)(1 - p);
+    cosine: min_lr + (base - min_lr)(1 + cos(pi p)) / 2       (report 000 recommends a decay)
+
+`linear` moves the entropy bonus (report 000: decayed) and RCE's temperature over the run.
 """
 import math
 import os
@@ -35,6 +43,9 @@ import torch
 
 import kl
 from advantages import all_max, all_sum, world_size
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -54,6 +65,11 @@ class Knobs:
     fast: bool = field(default=False, metadata={"help": "the fast path: old log-probs from the update's own "
                        "forward (GRPO, one update per batch), micro-batches sorted by length and cut to their "
                        "longest sequence"})
+    lr_schedule: str = field(default="constant", metadata={"help": "learning-rate schedule after the warm-up "
+                             "(lr_at)", "choices": LR_SCHEDULES})
+    min_lr: float = field(default=0.0, metadata={"help": "the lr linear/cosine decay to at the last step",
+                                                  "flag": False})
+    warmup_steps: int = field(default=0, metadata={"help": "steps of linear learning-rate warm-up from 0"})
 
 
 def problems(cfg):
@@ -68,6 +84,30 @@ def problems(cfg):
     if cfg.micro_batch and mini % cfg.micro_batch:
         yield "micro-batch", (f"must divide the mini-batch ({mini} sequences{' per rank' if ranks > 1 else ''}) "
                               f"(or be 0), got {cfg.micro_batch}")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        yield "min-lr", f"must be in [0, --lr], got {cfg.min_lr}"
+    if not 0 <= cfg.warmup_steps < cfg.steps:
+        yield "warmup-steps", f"must be in [0, --steps), got {cfg.warmup_steps}"
+
+
+def lr_at(step: int, total: int, base: float, schedule: str = "constant",
+          min_lr: float = 0.0, warmup: int = 0) -> float:
+    """Learning rate of step `step` (1-based) of a run of `total` steps."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; expected one of {LR_SCHEDULES}")
+    if warmup > 0 and step <= warmup:
+        return base * step / warmup
+    if schedule == "constant":
+        return base
+    p = min(max((step - warmup) / max(total - warmup, 1), 0.0), 1.0)
+    if schedule == "linear":
+        return min_lr + (base - min_lr) * (1 - p)
+    return min_lr + (base - min_lr) * (1 + math.cos(math.pi * p)) / 2
+
+
+def linear(step: int, total: int, start: float, end: float) -> float:
+    """start at step 1, end at step `total`, a straight line in between."""
+    return start + (end - start) * ((step - 1) / max(total - 1, 1))
 
 
 @dataclass

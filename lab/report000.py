@@ -82,7 +82,7 @@ def curriculum(lab: Lab) -> dict:
     settings and values, each looked up with its own call. Both start from the warm start
     of demonstrations of 1 to 3 benchmarks (--sft-difficulty 3 by default), whose long
     answers are rarely right (test_curriculum.py). The curriculum trains a
-    third of the steps at 1 benchmark, a third at 2, a third at 3 (schedules.difficulty_at);
+    third of the steps at 1 benchmark, a third at 2, a third at 3 (tool_env.difficulty_at);
     both are evaluated on the long tasks throughout."""
     settings = {"long from the start": "--difficulty 3", "short -> long": "--difficulty 3 --curriculum"}
     metrics = ("eval_accuracy", "reward_mean", "frac_reward_zero_std", "failure/degenerate")

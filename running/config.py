@@ -30,9 +30,9 @@ import ppo
 import rce
 import rewards
 import rollout
-import schedules
 import surrogates
 import tasks
+import tool_env
 import truncation
 import trust_regions
 import update
@@ -94,12 +94,12 @@ class Run:
 
 
 # the lessons whose knobs (Knobs) are flags, each with its checks (problems), in the course's order
-LESSONS = (advantages, grpo, surrogates, trust_regions, update, schedules, kl, entropy_control, rewards, rollout,
+LESSONS = (advantages, grpo, surrogates, trust_regions, update, kl, entropy_control, rewards, tool_env, rollout,
            truncation, mismatch, ppo, rce, dynamic_sampling, monitor, lora)
 
 
 @dataclass
-class Config(Run, schedules.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, lora.Knobs,
+class Config(Run, tool_env.Knobs, rce.Knobs, ppo.Knobs, dynamic_sampling.Knobs, monitor.Knobs, lora.Knobs,
              truncation.Knobs, *grpo.KNOBS):
     """Every flag: the run's own (Run) and each lesson's (its Knobs)."""
 

@@ -6,7 +6,7 @@ looks up the setting and value with `query_knowledge_base`, may check them with
 max_turns turns. rewards.py scores the whole episode (--reward sparse | shaped | format).
 With --difficulty d the prompt names d benchmarks and the answer must hold all d pairs
 (report 000's long ground truth); --curriculum moves d from 1 up over the run
-(schedules.difficulty_at).
+(tool_env.difficulty_at).
 
 The warm-start mix (what the tiny model imitates before RL) is our choice; report 000 gives
 only its starting point, a mean reward of about -0.5 under +-1 (a quarter of the episodes

@@ -2,7 +2,7 @@
 
 A task of difficulty d asks about d benchmarks and is right only when its answer reports every
 one's setting and value (tool_env.py); --curriculum trains from 1 up to d in equal phases
-(schedules.difficulty_at); the warm start can show the longer tasks (--sft-difficulty).
+(tool_env.difficulty_at); the warm start can show the longer tasks (--sft-difficulty).
 """
 import json
 import random
@@ -13,11 +13,10 @@ from running import config
 import tasks
 from models import policy
 import rewards
-import schedules
 from tasks import tool_task
 import train
 from conftest import quick
-from tool_env import KNOWLEDGE_BASE, ToolEnv, answer_pairs
+from tool_env import KNOWLEDGE_BASE, ToolEnv, answer_pairs, difficulty_at
 
 
 def call(bench: str) -> str:
@@ -86,12 +85,11 @@ def test_an_unsupported_difficulty_is_refused_by_the_environment():
 
 def test_the_curriculum_runs_in_equal_phases_from_one_up():
     for total, top in [(100, 3), (7, 3), (10, 2), (3, 3), (150, 2)]:
-        levels = [schedules.difficulty_at(s, total, top, curriculum=True) for s in range(1, total + 1)]
+        levels = [difficulty_at(s, total, top) for s in range(1, total + 1)]
         assert levels[0] == 1 and levels[-1] == top and levels == sorted(levels)
         counts = [levels.count(d) for d in range(1, top + 1)]
         assert max(counts) - min(counts) <= 1, counts          # equal phases, up to one step
-        assert all(schedules.difficulty_at(s, total, top, curriculum=False) == top for s in range(1, total + 1))
-    assert [schedules.difficulty_at(s, 100, 3, True) for s in (1, 34, 35, 67, 68, 100)] == [1, 1, 2, 2, 3, 3]
+    assert [difficulty_at(s, 100, 3) for s in (1, 34, 35, 67, 68, 100)] == [1, 1, 2, 2, 3, 3]
 
 
 @pytest.mark.parametrize("d", [1, 2, 3])
