@@ -42,6 +42,7 @@ def kept_rows(run: dict) -> list:
     return [json.loads(line) for line in text.splitlines()]
 
 
+@pytest.mark.slow          # 10-30 s on a 2-core CPU: the slow tier, so CI fits in 12 minutes
 def test_bench_measures_a_step_of_ours(tmp_path):
     bench.main(["--steps", "2", "--warmup", "1", "--json", str(tmp_path / "b.json")])
     r = json.loads((tmp_path / "b.json").read_text())

@@ -549,6 +549,7 @@ def ctrl_c_after(seconds: float, command: list) -> tuple[int, list]:
     return proc.returncode, err.strip().splitlines()
 
 
+@pytest.mark.slow          # 10-30 s on a 2-core CPU: the slow tier, so CI fits in 12 minutes
 @pytest.mark.parametrize("after", [0.5, 1.0, 8.0])
 def test_ctrl_c_in_bench_is_one_line_and_exit_130(after):
     """Ctrl-C in the benchmark printed a traceback: during a run (8 s in), and while torch and

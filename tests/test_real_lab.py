@@ -145,6 +145,7 @@ def test_every_committed_smollm2_run_is_kept_by_todays_lab(monkeypatch):
     assert real.estimate(committed, [name for name in real.SETTINGS if name in done]) == (0, 0.0)
 
 
+@pytest.mark.slow          # 10-30 s on a 2-core CPU: the slow tier, so CI fits in 12 minutes
 def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab, monkeypatch):
     """real_k_fair's verdict is the one-sided permutation test of its runs' held-out best at the
     end (K=8 above K=2), real_entropy_held's Fisher's test of runs ending on one answer against
