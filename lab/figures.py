@@ -136,7 +136,7 @@ def plot_grouped_bars(path: Path, values: dict, ylabel: str, title: str) -> Path
     return save(fig, path)
 
 
-def plot_probe(results: dict, lrs, conditions, path: Path) -> Path:
+def plot_probe(results: dict, lrs, conditions, path: Path, model: str = "tiny Qwen2") -> Path:
     """probe_001: the mean change of P(off-format) after one update against lr, a line per
     condition, a panel per warm start and optimizer state (lab/probe001.py)."""
     import statistics
@@ -152,7 +152,7 @@ def plot_probe(results: dict, lrs, conditions, path: Path) -> Path:
         ax.title.set_fontsize(8)
     axes[0][0].set_ylabel("mean change of P(off-format)\nafter one update (held-out)")
     axes[0][0].legend(fontsize=6)
-    fig.suptitle("report 001's mechanism, exactly: tiny Qwen2 warm start, one update, CPU", fontsize=8)
+    fig.suptitle(f"report 001's mechanism, exactly: {model} warm start, one update, CPU", fontsize=8)
     return save(fig, path)
 
 

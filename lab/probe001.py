@@ -53,14 +53,15 @@ import grpo
 import logprobs
 import rollout
 import update
-import warm_start
 from lab import stats
 from models import policy
+from running import config
 from tasks import Sampling, workflow_task as task
 
 BATCHES, QUICK_BATCHES = 30, 2
 LRS, QUICK_LRS = (2e-6, 2e-5, 2e-4, 2e-3), (2e-4, 2e-3)
 WARMING_STEPS, WARMING_LR = 5, 1e-3
+REAL_LRS, REAL_WARMING_LR = (2e-6, 2e-5, 2e-4), 2e-5      # --model: its training lr, a decade either side
 CONDITIONS = ("null", "k2_group", "k2_drgrpo", "k8_group")
 MEASURES = ("p_off", "lp_fallback", "lp_best", "lp_valid")
 
@@ -74,61 +75,45 @@ def tied_task():
     def batch(rng, n, difficulty=1):
         chosen = rng.choices(task.make_prompts("train"), k=n)
         return [[(p["text"], False), (rng.choice(task.FALLBACK_TEXTS) if p["text"] in fallback else
-                                      valid_completion(p["type"], rng), True)] for p in chosen]
+                                      task.valid_completion(p["type"], rng), True)] for p in chosen]
     own = {k: getattr(task, k) for k in dir(task) if not k.startswith("__")}
     own.update(warmstart_batch=batch, answered_validly=lambda p: p["text"] not in fallback,
                fingerprint=lambda difficulty=1: {**task.fingerprint(), "fallback": "tied"})
     return types.SimpleNamespace(**own)
 
 
-def valid_completion(ptype: str, rng: random.Random) -> str:
-    """A valid workflow, best with the warm start's share, else another by the report's counts."""
-    if rng.random() < task.BEST_SHARE_OF_VALID:
-        return task.BEST_WORKFLOW[ptype]
-    return other_valid(ptype, rng)
-
-
-def other_valid(ptype: str, rng: random.Random) -> str:
-    others = {p: c for p, c in task.REPORT_TOP_PATTERNS.items() if p != task.BEST_WORKFLOW[ptype]}
-    return rng.choices(list(others), weights=list(others.values()))[0]
-
-
 # ---- the measurement: exact, on the held-out prompts ----
 
-def held_out(tok) -> dict:
-    """The held-out prompts, encoded once for every measure: left-padded for P(off), and as
-    teacher-forced rows (warm_start.sft_rows) with the fallback, the best and the commonest valid
-    workflow that is not best, each with its EOS."""
+def fixed_rows(tok, prompts: list, completions: list) -> rollout.Rollout:
+    """A Rollout of given completions (each with its EOS) to the given prompt texts; a prompt
+    repeated over rows is encoded once in every forward (shared_prefix.py), as the trainer does."""
+    p_ids, p_mask = logprobs.left_pad([tok(rollout.format_prompt(tok, p, task.SYSTEM_PROMPT), add_special_tokens=False)
+                                       ["input_ids"] for p in prompts], tok.pad_token_id, None)
+    c_ids = logprobs.pad([tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in completions],
+                         tok.pad_token_id)
+    return rollout.Rollout(p_ids, p_mask, c_ids, rollout.completion_mask(c_ids, tok.eos_token_id), None, None,
+                           completions, share_prefix=True)
+
+
+def held_out(tok) -> rollout.Rollout:
+    """Each held-out prompt with three completions, in this order: the fallback text, the
+    prompt's best workflow, and the commonest valid workflow that is not best."""
     prompts = task.make_prompts("eval")
-    texts = [rollout.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts]
-    out = {"prompts": logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
-                                        tok.pad_token_id, None),
-           "first": tok(task.FALLBACK_TEXTS[0], add_special_tokens=False)["input_ids"][0]}
     valid = [max((q for q in task.REPORT_TOP_PATTERNS if q != p["best"]), key=task.REPORT_TOP_PATTERNS.get)
              for p in prompts]
-    for name, completions in (("fallback", [task.FALLBACK_TEXTS[0]] * len(prompts)),
-                              ("best", [p["best"] for p in prompts]), ("valid", valid)):
-        out[name] = warm_start.sft_rows(task, tok, [[(p["text"], False), (c, True)] for p, c in zip(prompts, completions)])
-    return out
+    return fixed_rows(tok, [p["text"] for p in prompts for _ in range(3)],
+                      [c for p, v in zip(prompts, valid) for c in (task.FALLBACK_TEXTS[0], p["best"], v)])
 
 
 @torch.no_grad()
-def measure(model, held: dict) -> dict:
-    """The mean over held-out prompts of P(off) and of log p(fallback / best / valid), exactly."""
+def measure(model, held: rollout.Rollout) -> dict:
+    """The mean over held-out prompts of P(off), the probability of the fallback's first token
+    after the prompt, and of log p(fallback / best / valid), exactly, from one forward."""
     model.eval()
-    ids, mask = held["prompts"]                                                 # (n, P)
-    p_off = torch.softmax(model(input_ids=ids, attention_mask=mask).logits[:, -1].float(), -1)[:, held["first"]]
-    out = {"p_off": p_off.mean().item()}                                        # p_off: (n,)
-    for name in ("fallback", "best", "valid"):
-        out[f"lp_{name}"] = completion_logprob(model, *held[name]).mean().item()
-    return out
-
-
-def completion_logprob(model, ids, mask, labels) -> torch.Tensor:
-    """(n,) the summed log-prob of each row's labelled tokens (warm_start.sft_rows)."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)        # (n, L-1)
-    return (lp * (labels[:, 1:] != -100)).sum(1)
+    logp = logprobs.completion_logprobs(model, held.tokens())[0]               # (3n, C)
+    whole = (logp * held.completion_mask).sum(1).view(-1, 3)                    # (n, 3)
+    return {"p_off": logp[0::3, 0].exp().mean().item(),
+            **{f"lp_{name}": whole[:, i].mean().item() for i, name in enumerate(("fallback", "best", "valid"))}}
 
 
 # ---- one update from a fixed batch ----
@@ -137,18 +122,12 @@ def probe_batch(model, tok, condition: str, rng: random.Random, pool: list) -> t
     """(Rollout with its advantages, k) for three prompts of pool drawn by rng."""
     prompts = rng.sample(pool, 3)
     if condition == "k8_group":
-        groups = [[p["best"]] * 3 + [other_valid(p["type"], rng) for _ in range(5)] for p in prompts]
+        groups = [[p["best"]] * 3 + [task.other_valid(p["type"], rng) for _ in range(5)] for p in prompts]
     else:                               # the report's step 4: [best, best], [best, valid], [valid, valid]
-        groups = [[prompts[0]["best"]] * 2, [prompts[1]["best"], other_valid(prompts[1]["type"], rng)],
-                  [other_valid(prompts[2]["type"], rng) for _ in range(2)]]
+        groups = [[prompts[0]["best"]] * 2, [prompts[1]["best"], task.other_valid(prompts[1]["type"], rng)],
+                  [task.other_valid(prompts[2]["type"], rng) for _ in range(2)]]
     k = len(groups[0])
-    texts = [rollout.format_prompt(tok, p["text"], task.SYSTEM_PROMPT) for p in prompts for _ in range(k)]
-    done = [c for g in groups for c in g]
-    p_ids, p_mask = logprobs.left_pad([tok(t, add_special_tokens=False)["input_ids"] for t in texts],
-                                      tok.pad_token_id, model.device)
-    c_ids = logprobs.pad([tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in done],
-                         tok.pad_token_id, device=model.device)
-    batch = rollout.Rollout(p_ids, p_mask, c_ids, rollout.completion_mask(c_ids, tok.eos_token_id), None, None, done)
+    batch = fixed_rows(tok, [p["text"] for p in prompts for _ in range(k)], [c for g in groups for c in g])
     with torch.no_grad():
         batch.old_logp = logprobs.completion_logprobs(model, batch.tokens())[0]
     r = torch.tensor([1.0 if c == p["best"] else 0.2 for p, g in zip(prompts, groups) for c in g])
@@ -169,10 +148,10 @@ def updated(model, opt_state, batch, k: int, lr: float):
     return model
 
 
-def warmed(model, tok) -> tuple:
-    """(weights, AdamW state) after WARMING_STEPS real steps of the report's setting."""
+def warmed(model, tok, lr: float = WARMING_LR) -> tuple:
+    """(weights, AdamW state) after WARMING_STEPS real steps of the report's setting, at lr."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMING_LR, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     hp = grpo.HyperParams(k=2, norm="group", mini_batch=6, micro_batch=6)
     torch.manual_seed(0)
     for step in range(WARMING_STEPS):
@@ -183,21 +162,28 @@ def warmed(model, tok) -> tuple:
     return model, copy.deepcopy(opt.state_dict())
 
 
-def probe(model, tok, batches: int, lrs, pool: list) -> dict:
+def probe(model, tok, plan: dict, pool: list, cells) -> dict:
     """{(optimizer state, lr, condition): {measure: [after - before, one per batch]}, and
-    (optimizer state, "before"): the measures before any probe update}."""
+    (optimizer state, "before"): the measures before any probe update}. plan: batches, lrs, the
+    warming lr. cells (a Path): the finished cells, each written as it ends and not computed
+    again, so a long probe (SmolLM2's) continues where it stopped."""
     out, held = {}, held_out(tok)
-    for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok))):
+    done = json.loads(cells.read_text()) if cells.exists() else {}
+    for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok, plan["warming_lr"]))):
         out[(state, "before")] = before = measure(start, held)
-        for lr in lrs:
+        for lr in plan["lrs"]:
             for condition in CONDITIONS:
-                rng, deltas = random.Random(0), {m: [] for m in MEASURES}
-                for _ in range(batches):        # the same batches in every condition (rng from 0)
-                    batch, k = probe_batch(start, tok, condition, rng, pool)
-                    after = measure(updated(start, opt_state, batch, k, lr), held)
-                    for m in MEASURES:
-                        deltas[m].append(after[m] - before[m])
-                out[(state, lr, condition)] = deltas
+                key = str((state, lr, condition))
+                if key not in done:                 # the same batches in every condition (rng from 0)
+                    rng, done[key] = random.Random(0), {m: [] for m in MEASURES}
+                    for _ in range(plan["batches"]):
+                        batch, k = probe_batch(start, tok, condition, rng, pool)
+                        after = measure(updated(start, opt_state, batch, k, lr), held)
+                        for m in MEASURES:
+                            done[key][m].append(after[m] - before[m])
+                    (tmp := cells.with_suffix(".tmp")).write_text(json.dumps(done))
+                    tmp.replace(cells)              # whole or absent
+                out[(state, lr, condition)] = done[key]
     return out
 
 
@@ -228,18 +214,20 @@ def probe_001(lab) -> dict:
     # push toward the fallback is there, a rise that a 10x smaller lr does not shrink is not);
     # not reproduced if it raises P(off) at no lr.
     from lab import figures
-    batches, lrs = (QUICK_BATCHES, QUICK_LRS) if lab.quick else (BATCHES, LRS)
+    batches, lrs = (QUICK_BATCHES, QUICK_LRS) if lab.quick else (BATCHES, REAL_LRS if lab.model else LRS)
+    plan = dict(batches=batches, lrs=lrs, warming_lr=REAL_WARMING_LR if lab.model else WARMING_LR)
     starts = {"per-sample fallback": task} if lab.quick else {"per-sample fallback": task,
                                                                "prompt-tied fallback": tied_task()}
-    results, rows, tests = {}, [], {}
+    results, rows, tests, out = {}, [], {}, lab.dir("probe_001")
     for name, t in starts.items():
-        model, tok = policy.tiny_policy(t, 64, 2, warm_start.DEFAULTS["tiny"], policy.CACHE,
-                                        log=lambda s: print(f"  probe_001: {s}", flush=True))
+        model, tok = policy.load(config.Config(model=lab.model, cache_dir=str(policy.CACHE), sft_difficulty=1), t,
+                                 "cpu", lambda s: print(f"  probe_001: {s}", flush=True))    # the tiny model or --model's
         print(f"  probe_001: {name}: {len(CONDITIONS)} conditions x {len(lrs)} lrs x 2 optimizer states x "
               f"{batches} batches", flush=True)
         # the batches' prompts: those the warm start answers with workflows (the report's step 4 has no fallback)
         pool = [p for p in task.make_prompts("train") if getattr(t, "answered_validly", lambda p: True)(p)]
-        results[name] = deltas = probe(model, tok, batches, lrs, pool)
+        cells = out / f"cells-{name.split()[0]}.json"           # per warm start; deltas.json has them all
+        results[name] = deltas = probe(model, tok, plan, pool, cells)
         tests.update({(name, state, lr): rises(deltas, state, lr) for state in ("fresh", "warmed") for lr in lrs})
         for state in ("fresh", "warmed"):
             rows.append(f"| {name} | {state} | before | | P(off) {deltas[(state, 'before')]['p_off']:.4f} | " +
@@ -252,16 +240,17 @@ def probe_001(lab) -> dict:
             rows.append(f"| {name} | {state} | {lr:g} | {condition} | {statistics.fmean(d['p_off']):+.5f} "
                         f"[{lo:+.5f}, {hi:+.5f}] | " + " | ".join(f"{statistics.fmean(d[m]):+.4f}" for m in MEASURES[1:])
                         + (f" | {vs_null[0]:+.5f} (p {vs_null[1]:.3g})" if vs_null else " | ") + " |")
-    out = lab.dir("probe_001")
     (out / "table.md").write_text(
-        f"# probe_001: one update, {batches} paired batches, exact measures on the {len(task.make_prompts('eval'))} "
-        "held-out prompts (lab/probe001.py)\n\nDeltas are after - before the update; P(off) is the chance that a "
-        "completion opens with the fallback's first token; [95% bootstrap interval].\n\n"
+        f"# probe_001 ({lab.model or 'the tiny model'}): one update, {batches} paired batches, exact measures on "
+        f"the {len(task.make_prompts('eval'))} held-out prompts (lab/probe001.py)\n\nDeltas are after - before the "
+        "update; P(off) is the chance that a completion opens with the fallback's first token; [95% bootstrap interval].\n\n"
         "| warm start | optimizer | lr | condition | dP(off) | dlog p fallback | dlog p best | dlog p valid | "
         "k2_group - null (p) |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    figures.plot_probe(results, lrs, CONDITIONS, out / "probe.png")
+    figures.plot_probe(results, lrs, CONDITIONS, out / "probe.png", lab.model or "tiny Qwen2")
     (out / "deltas.json").write_text(json.dumps(           # every number above, recomputable from these
         {n: {"|".join(map(str, k)): v for k, v in r.items()} for n, r in results.items()}, indent=0))
+    for cells in out.glob("cells-*.json"):                  # deltas.json holds them all now
+        cells.unlink()
     raised = {n: [lr for lr in lrs if tests[(n, "warmed", lr)][1] < stats.ALPHA and tests[(n, "warmed", lr)][0] > 0]
               for n in results}
     jumped = {n: [lr for lr in lrs if jumps(tests, n, lr, lrs)] for n in results}

@@ -125,10 +125,16 @@ def make_prompts(split: str) -> list[dict]:
 
 def warmstart_completion(ptype: str, rng: random.Random) -> str:
     """One supervised target drawn from the report-shaped mix for a prompt of this type."""
-    if rng.random() >= VALID_SHARE:
-        return rng.choice(FALLBACK_TEXTS)
-    if rng.random() < BEST_SHARE_OF_VALID:
-        return BEST_WORKFLOW[ptype]
+    return rng.choice(FALLBACK_TEXTS) if rng.random() >= VALID_SHARE else valid_completion(ptype, rng)
+
+
+def valid_completion(ptype: str, rng: random.Random) -> str:
+    """A valid workflow: the type's best with probability BEST_SHARE_OF_VALID, else other_valid's."""
+    return BEST_WORKFLOW[ptype] if rng.random() < BEST_SHARE_OF_VALID else other_valid(ptype, rng)
+
+
+def other_valid(ptype: str, rng: random.Random) -> str:
+    """A valid workflow that is not the type's best, drawn by the report's counts."""
     others = {p: c for p, c in REPORT_TOP_PATTERNS.items() if p != BEST_WORKFLOW[ptype]}
     return rng.choices(list(others), weights=list(others.values()))[0]
 
