@@ -173,7 +173,9 @@ def probe(model, tok, plan: dict, pool: list, cells) -> dict:
         out[(state, "before")] = before = measure(start, held)
         for lr in plan["lrs"]:
             for condition in CONDITIONS:
-                key = str((state, lr, condition))
+                # keyed by the measure before too: a cell of another warm start (one built afresh on
+                # another machine, say) is computed again, not mixed in
+                key = str((state, lr, condition, f"{before['p_off']:.6f}"))
                 if key not in done:                 # the same batches in every condition (rng from 0)
                     rng, done[key] = random.Random(0), {m: [] for m in MEASURES}
                     for _ in range(plan["batches"]):
