@@ -50,7 +50,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass
 class Knobs:
-    """The update's loop: epochs over a batch, its mini- and micro-batches, and its two brakes."""
+    """The update's loop: epochs over a batch, its mini- and micro-batches, its two brakes, the lr over the run."""
     epochs: int = field(default=1, metadata={"help": "passes over each batch", "min": 1})
     mini_batch: int = field(default=0, metadata={"help": "sequences per optimizer step (over all ranks under "
                             "torchrun; HyperParams holds this rank's share); 0 = all N (one step per epoch)", "min": 0})
