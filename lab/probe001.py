@@ -165,27 +165,31 @@ def warmed(model, tok, lr: float = WARMING_LR) -> tuple:
 def probe(model, tok, plan: dict, pool: list, cells) -> dict:
     """{(optimizer state, lr, condition): {measure: [after - before, one per batch]}, and
     (optimizer state, "before"): the measures before any probe update}. plan: batches, lrs, the
-    warming lr. cells (a Path): the finished cells, each written as it ends and not computed
-    again, so a long probe (SmolLM2's) continues where it stopped."""
-    out, held = {}, held_out(tok)
-    done = json.loads(cells.read_text()) if cells.exists() else {}
+    warming lr. cells (a Path): this warm start's finished cells, each written as it ends, under
+    its P(off) before any update: a warm start built afresh on another machine differs, and its
+    cells are not mixed with these. A complete set, from any machine, is the result as it stands."""
+    kept = json.loads(cells.read_text()) if cells.exists() else {}
+    whole = [r for r in kept.values() if len(r) == 2 + 2 * len(plan["lrs"]) * len(CONDITIONS)]
+    if whole:                                   # keys as deltas.json writes them: "warmed|2e-05|null"
+        return {tuple(float(x) if x[0].isdigit() else x for x in k.split("|")): v for k, v in whole[0].items()}
+    out, held, record = {}, held_out(tok), None
     for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok, plan["warming_lr"]))):
         out[(state, "before")] = before = measure(start, held)
+        record = kept.setdefault(f"{before['p_off']:.6f}", {}) if record is None else record    # fresh's P(off)
+        record[f"{state}|before"] = before
         for lr in plan["lrs"]:
             for condition in CONDITIONS:
-                # keyed by the measure before too: a cell of another warm start (one built afresh on
-                # another machine, say) is computed again, not mixed in
-                key = str((state, lr, condition, f"{before['p_off']:.6f}"))
-                if key not in done:                 # the same batches in every condition (rng from 0)
-                    rng, done[key] = random.Random(0), {m: [] for m in MEASURES}
+                key = f"{state}|{lr}|{condition}"
+                if key not in record:               # the same batches in every condition (rng from 0)
+                    rng, record[key] = random.Random(0), {m: [] for m in MEASURES}
                     for _ in range(plan["batches"]):
                         batch, k = probe_batch(start, tok, condition, rng, pool)
                         after = measure(updated(start, opt_state, batch, k, lr), held)
                         for m in MEASURES:
-                            done[key][m].append(after[m] - before[m])
-                    (tmp := cells.with_suffix(".tmp")).write_text(json.dumps(done))
+                            record[key][m].append(after[m] - before[m])
+                    (tmp := cells.with_suffix(".tmp")).write_text(json.dumps(kept))
                     tmp.replace(cells)              # whole or absent
-                out[(state, lr, condition)] = done[key]
+                out[(state, lr, condition)] = record[key]
     return out
 
 

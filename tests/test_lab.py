@@ -308,6 +308,32 @@ def test_probe_001_builds_the_reports_batch_and_measures_p_off_exactly():
         assert is_fallback != tied.answered_validly({"text": prompt})
 
 
+def test_probe_001_continues_its_own_cells_and_takes_a_complete_set_from_any_machine(tmp_path):
+    """A stopped probe keeps each finished cell under its warm start's P(off) before: run again,
+    it takes those cells and computes the rest; a warm start that measures otherwise (built afresh
+    on another machine) starts over beside them; a complete set is returned whatever the model."""
+    import random
+    from lab import probe001
+    from models import policy
+    from tasks import workflow_task as task
+    from transformers import Qwen2ForCausalLM
+    tok = policy.build_tokenizer(task.vocabulary())
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, task.MAX_POSITIONS)).eval()
+    plan, cells = dict(batches=1, lrs=(2e-4,), warming_lr=1e-3), tmp_path / "cells.json"
+    key = f"{probe001.measure(model, probe001.held_out(tok))['p_off']:.6f}"
+    mine = {m: [123.0] for m in probe001.MEASURES}
+    cells.write_text(json.dumps({key: {"warmed|0.0002|k8_group": mine}, "0.999999": {"fresh|0.0002|null": mine}}))
+    out = probe001.probe(model, tok, plan, task.make_prompts("train"), cells)
+    assert out[("warmed", 2e-4, "k8_group")] == mine                        # taken, not computed
+    assert out[("fresh", 2e-4, "null")]["p_off"] == [0.0]                   # the other start's cell: computed
+    kept = json.loads(cells.read_text())
+    assert len(kept[key]) == 2 + 2 * len(probe001.CONDITIONS) and kept["0.999999"] == {"fresh|0.0002|null": mine}
+    whole = {"0.5": {**{k: v for k, v in kept[key].items()}}}
+    cells.write_text(json.dumps(whole))
+    assert probe001.probe(None, None, plan, [], cells)[("warmed", 2e-4, "k8_group")] == mine   # no model needed
+
+
 @pytest.mark.parametrize("folder", ["results", "results/smollm2-135m"])
 def test_probe_001s_summary_is_recomputed_from_its_committed_deltas(folder):
     """Every number and the verdict of a SUMMARY.md's probe_001 entry (the toy's, SmolLM2's),
