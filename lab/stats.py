@@ -64,8 +64,7 @@ def permutation(x: list, y: list, seed: int = 0) -> float:
 
 
 def two_sided(x: list, y: list) -> float:
-    """The two-sided p of "mean(x) differs from mean(y)": twice the smaller one-sided
-    permutation p, at most 1."""
+    """The two-sided p of "mean(x) differs from mean(y)": twice the smaller one-sided p, at most 1."""
     return min(1.0, 2 * min(permutation(x, y), permutation(y, x)))
 
 
@@ -126,10 +125,7 @@ def detectable_mean(sd: float, n1: int, n2: int, power: float = 0.8, alpha: floa
 
 def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = ALPHA) -> int:
     """Runs an arm for detectable_mean to reach effect."""
-    n = 2
-    while detectable_mean(sd, n, n, power, alpha) > effect:
-        n += 1
-    return n
+    return next(n for n in itertools.count(2) if detectable_mean(sd, n, n, power, alpha) <= effect)
 
 
 def binomial_se(p: float, samples: int) -> float:
@@ -162,7 +158,8 @@ def toy(experiment: str, setting: str, key: str, root: Path = REAL.parent) -> li
 
 
 # Comparisons of the committed tiny-model runs: (what is claimed above what, arm, arm), each arm
-# (experiment, setting) with seeds 0-5. Their rules named no test: these p-values came after the runs.
+# (experiment, setting) with seeds 0-5, and the number compared if not the held-out best at the end.
+# Their rules named no test: these p-values came after the runs.
 AFTER_THE_FACT = (
     ("K=8/B=3 above K=2/B=3", ("group_norm", "--k 8 --batch 3 --norm group"),
      ("group_norm", "--k 2 --batch 3 --norm group")),
@@ -181,6 +178,14 @@ AFTER_THE_FACT = (
      ("critic", "--critic separate")),
     ("fixed, 128 samples a step, above a cosine lr, 32", ("fixed_vs_dynamic", "--batch 16 --beta 0.05"),
      ("fixed_vs_dynamic", "--batch 4 --beta 0.05 --lr-schedule cosine --warmup-steps 10")),
+    ("shaped above sparse in held-out tool calls per episode", ("tools", "--reward shaped"),
+     ("tools", "--reward sparse"), "eval_tool_calls_end"),
+    ("sparse above shaped in held-out accuracy", ("tools", "--reward sparse"), ("tools", "--reward shaped"),
+     "eval_accuracy_end"),
+    ("range 0.05/0.2 above 0.01/0.1 in held-out reward", *(("kl_range", f"--kl-control range --kl-target-min "
+     f"{band} --kl-coef 1") for band in ("0.05 --kl-target-max 0.2", "0.01 --kl-target-max 0.1")), "eval_reward_mean_end"),
+    ("4 updates stale with TIS above without", *(("mismatch", "--k 8 --norm global --rollout-stale 4" + tis)
+                                                 for tis in (" --rollout-correction tis", ""))),
 )
 
 
@@ -276,10 +281,10 @@ def after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, str]]:
     try:
         if experiment.startswith("real_"):
             return real_after_the_fact(root, experiment)
-        for name, (ex, first), (ey, second) in AFTER_THE_FACT:
+        for name, (ex, first), (ey, second), *key in AFTER_THE_FACT:
             if ex == experiment:
-                out.append(means_test(name, toy(ex, first, "eval_best_rate_end", root),
-                                      toy(ey, second, "eval_best_rate_end", root)))
+                key = (key or ["eval_best_rate_end"])[0]
+                out.append(means_test(name, toy(ex, first, key, root), toy(ey, second, key, root)))
         if experiment == "group_norm":
             off = [toy("group_norm_aggressive_lr", f"--k {k} --batch 3 --norm group", "ended_off_format", root)
                    for k in (2, 8)]
@@ -296,8 +301,10 @@ def after_the_fact(root: Path, experiment: str) -> list[tuple[str, float, str]]:
 # not by the p-values: dynamic sampling is claimed for K=2 ("at K=2 most groups carry no
 # signal"); report 001's group-size claim is K=8 above K=2 at the same B; report 000's critic
 # claim is its own setting, a separate critic at 10x lr, above a shared one; report 002's is the
-# fixed, large batch above the dynamic lr; the SmolLM2 entropy verdict names adaptive entropy.
+# fixed, large batch above the dynamic lr; report 000's tools verdict, tool calls dying out; the
+# SmolLM2 entropy verdict names adaptive entropy.
 CLAIM_TEST = {"group_norm": "K=8/B=3 above K=2/B=3", "dynamic_sampling": "dynamic sampling above none, K=2/B=3",
+              "tools": "shaped above sparse in held-out tool calls per episode",
               "critic": "a separate critic at 10x lr above a shared one",
               "fixed_vs_dynamic": "fixed, 128 samples a step, above a cosine lr, 32",
               "real_group_size": "K=8/B=3 above K=2/B=3",
@@ -342,10 +349,10 @@ def undecided(p: float) -> str:
 
 
 def toy_after_the_fact() -> None:
-    """The committed tiny-model runs' central comparisons (held-out best at the end), each put to
-    the one-sided permutation test; and group_norm's off-format count at lr 7e-3 to Fisher's."""
-    print("The committed tiny-model runs, held-out best at the end, 6 seeds an arm, tested after the fact:")
-    for experiment in dict.fromkeys(x[0] for _, x, _ in AFTER_THE_FACT):
+    """The committed tiny-model runs' central comparisons, each put to the one-sided permutation
+    test; and group_norm's off-format count at lr 7e-3 to Fisher's."""
+    print("The committed tiny-model runs, held-out best at the end unless named, 6 seeds an arm, after the fact:")
+    for experiment in dict.fromkeys(x[1][0] for x in AFTER_THE_FACT):
         for _, _, line in after_the_fact(REAL.parent, experiment):
             print(f"  {line}")
     print()

@@ -131,6 +131,24 @@ def test_a_verdict_reads_inconclusive_where_its_claims_own_test_gives_p_above_al
             if name == stats.CLAIM_TEST["dynamic_sampling"]] == [stats.permutation(dyn, none)]
 
 
+
+def test_the_tools_verdict_rests_on_its_tool_calls_to_the_permutation_test():
+    """Report 000's "tool calling dies out" is the tools entry's half that held: the shaped runs'
+    held-out tool calls per episode above the sparse runs', tested on the committed runs. With
+    every shaped run above every sparse one, only 1 of the C(12, 6) = 924 splits puts a mean
+    difference as large in the shaped arm: p = 1/924, counted here over the splits by hand."""
+    shaped = stats.toy("tools", "--reward shaped", "eval_tool_calls_end")
+    sparse = stats.toy("tools", "--reward sparse", "eval_tool_calls_end")
+    pooled, seen = shaped + sparse, statistics.fmean(shaped) - statistics.fmean(sparse)
+    splits = list(itertools.combinations(range(12), 6))
+    naive = sum(statistics.fmean([pooled[i] for i in a]) - statistics.fmean([pooled[i] for i in range(12) if i not in a])
+                >= seen - 1e-12 for a in splits) / len(splits)
+    assert min(shaped) > max(sparse) and naive == 1 / 924
+    tests = stats.after_the_fact(stats.REAL.parent, "tools")
+    assert [p for name, p, _ in tests if name == stats.CLAIM_TEST["tools"]] == [naive]
+    summary = (stats.REAL.parent / "SUMMARY.md").read_text().split("## tools ")[1].split("\n## ")[0]
+    assert "(its test, after the runs: shaped above sparse in held-out tool calls per episode, p = 0.0011)" in summary
+
 def test_the_smallest_count_fishers_test_can_see_by_hand():
     """6 runs against 6: 4/6 against 0/6 gives C(6,4)/C(12,4) = 15/495 = 0.030 < 0.05, 3/6 gives
     20/220 = 0.091; 3 against 3 sees nothing (3/3 against 0/3: 1/20 = 0.05, not below); 20 against
