@@ -91,6 +91,7 @@ def test_decode_floor_prints_generate_beside_its_floor(tmp_path, capsys):
     assert "generate / floor" in capsys.readouterr().out
 
 
+@pytest.mark.slow          # worker processes, 11 s: the slow tier, so CI fits in 12 minutes
 def test_compare_jobs_runs_seeds_as_processes_and_collects_their_summaries(tmp_path):
     from lab import compare
     common = "--steps 2 --batch 2 --k 4 --eval-samples 1 --sft-steps 30 --hidden 16 --layers 1"

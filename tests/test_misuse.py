@@ -354,7 +354,8 @@ def test_two_runs_warming_up_one_cache_entry_at_once_share_the_winner_s(tmp_path
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143),      # Ctrl-C's twin: the slow tier (CI's 12 minutes)
+                                       pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)])
 def test_sigterm_and_ctrl_c_save_a_checkpoint_and_a_summary_then_resume(tmp_path, sig, code):
     argv = flags(tmp_path, "run", "--steps", "400", "--eval-every", "1000")   # --save-every 0
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT,
@@ -733,6 +734,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_and_resume_works_
     assert resumed["steps"] == 8 and not resumed["stopped"]
 
 
+@pytest.mark.slow           # four runs and a process of its own: 12 s (CI's 12 minutes)
 def test_init_from_is_pinned_to_its_checkpoint_and_refuses_a_running_parent(tmp_path, capsys):
     """--init-from a run that was still running was allowed, and a resumed child
     followed its parent's newest checkpoint, silently switching its reference model."""

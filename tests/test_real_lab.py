@@ -35,6 +35,7 @@ def lab(tmp_path, monkeypatch):
     return lab
 
 
+@pytest.mark.slow          # 10-30 s on a 2-core CPU: the slow tier, so CI fits in 12 minutes
 def test_finished_runs_are_kept_and_a_run_cut_short_starts_again(lab):
     """Cut short: killed before its summary, stopped by Ctrl-C, or stopped by a full disk (a
     run stopped by its training, --max-skips, is a result and is kept)."""
