@@ -100,16 +100,22 @@ def test_the_bootstrap_interval_holds_the_observed_difference_and_is_a_point_for
 
 
 
+def naive_p(x: list, y: list) -> float:
+    """The share of all C(12, 6) splits of two arms of six runs (a plain loop) at least as far
+    apart as the observed one: the one-sided permutation p, counted by hand."""
+    import itertools
+    pooled, seen = x + y, statistics.fmean(x) - statistics.fmean(y)
+    splits = list(itertools.combinations(range(12), 6))
+    return sum(statistics.fmean([pooled[i] for i in a]) - statistics.fmean([pooled[i] for i in range(12) if i not in a])
+               >= seen - 1e-12 for a in splits) / len(splits)
+
+
 def test_lesson_2s_group_norm_comparison_tested_after_the_fact(capsys):
     """python -m lab.stats's first line: K=8/B=3 against K=2/B=3 on the committed group_norm runs,
     its p the share of all C(12, 6) splits of the twelve runs (a plain loop) at least as far apart."""
-    import itertools
     k8 = stats.toy("group_norm", "--k 8 --batch 3 --norm group", "eval_best_rate_end")
     k2 = stats.toy("group_norm", "--k 2 --batch 3 --norm group", "eval_best_rate_end")
-    pooled, seen = k8 + k2, statistics.fmean(k8) - statistics.fmean(k2)
-    splits = list(itertools.combinations(range(12), 6))
-    naive = sum(statistics.fmean([pooled[i] for i in a]) - statistics.fmean([pooled[i] for i in range(12) if i not in a])
-                >= seen - 1e-12 for a in splits) / len(splits)
+    seen, naive = statistics.fmean(k8) - statistics.fmean(k2), naive_p(k8, k2)
     stats.toy_after_the_fact()
     assert f"K=8/B=3 above K=2/B=3: {seen:+.3f}, one-sided permutation p = {naive:.3f}" in capsys.readouterr().out
 
@@ -139,10 +145,7 @@ def test_the_tools_verdict_rests_on_its_tool_calls_to_the_permutation_test():
     difference as large in the shaped arm: p = 1/924, counted here over the splits by hand."""
     shaped = stats.toy("tools", "--reward shaped", "eval_tool_calls_end")
     sparse = stats.toy("tools", "--reward sparse", "eval_tool_calls_end")
-    pooled, seen = shaped + sparse, statistics.fmean(shaped) - statistics.fmean(sparse)
-    splits = list(itertools.combinations(range(12), 6))
-    naive = sum(statistics.fmean([pooled[i] for i in a]) - statistics.fmean([pooled[i] for i in range(12) if i not in a])
-                >= seen - 1e-12 for a in splits) / len(splits)
+    naive = naive_p(shaped, sparse)
     assert min(shaped) > max(sparse) and naive == 1 / 924
     tests = stats.after_the_fact(stats.REAL.parent, "tools")
     assert [p for name, p, _ in tests if name == stats.CLAIM_TEST["tools"]] == [naive]
