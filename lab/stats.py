@@ -3,7 +3,7 @@ effect a design can detect.
 
     counts     runs that ended collapsed, a out of n1 against b out of n2: Fisher's exact test
                (`fisher`), from the hypergeometric law of a given a + b
-    means      a number per run (held-out best at the end) in two arms: a permutation test of the
+    means      a number per run (held-out best, or a claim's own) in two arms: a permutation test of the
                difference of means (`permutation`), exact over every split of the runs into the
                arms when there are at most RESAMPLES of them, else RESAMPLES random splits
     paired     two arms that share their seeds (the same warm start, the same prompts): the
