@@ -222,17 +222,17 @@ def probe_001(lab) -> dict:
     from lab import figures
     batches, lrs = (QUICK_BATCHES, QUICK_LRS) if lab.quick else (BATCHES, REAL_LRS if lab.model else LRS)
     plan = dict(batches=batches, lrs=lrs, warming_lr=REAL_WARMING_LR if lab.model else WARMING_LR)
-    starts = {"per-sample fallback": task} if lab.quick else {"per-sample fallback": task,
-                                                               "prompt-tied fallback": tied_task()}
+    starts = {"per-sample fallback": task, **({} if lab.quick else {"prompt-tied fallback": tied_task()})}
     results, rows, tests, out = {}, [], {}, lab.dir("probe_001")
     for name, t in starts.items():
+        cells = out / f"cells-{name.split()[0]}.json"           # per warm start; deltas.json has them all
+        if (done := out / "deltas.json").exists() and not cells.exists():   # a finished probe's record stands as
+            cells.write_text(json.dumps({"done": json.loads(done.read_text()).get(name, {})}))   # its cells: no update
         model, tok = policy.load(config.Config(model=lab.model, cache_dir=str(policy.CACHE), sft_difficulty=1), t,
                                  "cpu", lambda s: print(f"  probe_001: {s}", flush=True))    # the tiny model or --model's
-        print(f"  probe_001: {name}: {len(CONDITIONS)} conditions x {len(lrs)} lrs x 2 optimizer states x "
-              f"{batches} batches", flush=True)
+        print(f"  probe_001: {name}: {len(CONDITIONS)} conditions x {len(lrs)} lrs x 2 AdamW states x {batches} batches", flush=True)
         # the batches' prompts: those the warm start answers with workflows (the report's step 4 has no fallback)
         pool = [p for p in task.make_prompts("train") if getattr(t, "answered_validly", lambda p: True)(p)]
-        cells = out / f"cells-{name.split()[0]}.json"           # per warm start; deltas.json has them all
         results[name] = deltas = probe(model, tok, plan, pool, cells)
         tests.update({(name, state, lr): rises(deltas, state, lr) for state in ("fresh", "warmed") for lr in lrs})
         for state in ("fresh", "warmed"):

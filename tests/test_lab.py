@@ -335,6 +335,26 @@ def test_probe_001_continues_its_own_cells_and_takes_a_complete_set_from_any_mac
     assert probe001.probe(None, None, plan, [], cells)[("warmed", 2e-4, "k8_group")] == mine   # no model needed
 
 
+def test_a_finished_probe_001_rewrites_its_table_from_its_deltas_without_measuring_again(tmp_path, monkeypatch):
+    """Run again after it finished (its cells folded into deltas.json), probe_001 takes every
+    delta from deltas.json: no update is applied, the table shows those deltas, and deltas.json
+    comes back the same."""
+    import types
+    from lab import probe001
+    monkeypatch.setattr(probe001.policy, "load", lambda *a: (None, None))          # no model is needed
+    monkeypatch.setattr(probe001, "updated", lambda *a: pytest.fail("an update was applied"))
+    lrs, before = probe001.QUICK_LRS, {m: -1.0 for m in probe001.MEASURES}
+    record = {"fresh|before": before, "warmed|before": before,
+              **{f"{s}|{lr}|{c}": {m: [0.125, 0.375] if c == "k2_group" else [0.0, 0.0] for m in probe001.MEASURES}
+                 for s in ("fresh", "warmed") for lr in lrs for c in probe001.CONDITIONS}}
+    (tmp_path / "deltas.json").write_text(json.dumps({"per-sample fallback": record}))
+    entry = probe001.probe_001(types.SimpleNamespace(quick=True, model=None, dir=lambda name: tmp_path))
+    assert "+0.25000" in (tmp_path / "table.md").read_text()                      # the mean of 0.125 and 0.375
+    assert json.loads((tmp_path / "deltas.json").read_text()) == {"per-sample fallback": record}
+    assert not list(tmp_path.glob("cells-*.json"))
+    assert entry["verdict"] == "not reproduced"          # two batches: the sign flip's p is at best 1/4
+
+
 @pytest.mark.parametrize("folder", ["results", "results/smollm2-135m"])
 def test_probe_001s_summary_is_recomputed_from_its_committed_deltas(folder):
     """Every number and the verdict of a SUMMARY.md's probe_001 entry (the toy's, SmolLM2's),
