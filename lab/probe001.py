@@ -140,8 +140,8 @@ def updated(model, opt_state, batch, k: int, lr: float):
     """A copy of model after one GRPO update on batch at lr, from opt_state (None: fresh AdamW)."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
+    if opt_state is not None:               # its own copy: load_state_dict keeps the dict's tensors, and a
+        opt.load_state_dict(copy.deepcopy(opt_state))   # step moves them in place (the next update would start there)
         opt.param_groups[0]["lr"] = lr
     n = len(batch.texts)
     update.update(logprobs.Scorer(model), opt, batch, grpo.HyperParams(k=k, mini_batch=n, micro_batch=n), grpo.loss)

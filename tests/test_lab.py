@@ -1,6 +1,7 @@
 """The lab end to end in --quick mode (2 seeds, a few steps): every experiment runs, draws its
 figure and gets a verdict computed from its numbers; tools/bench.py measures a step, and
 tools/decode_floor.py's bare decoding computes what a full forward computes."""
+import copy
 import gzip
 import json
 import statistics
@@ -333,6 +334,39 @@ def test_probe_001_continues_its_own_cells_and_takes_a_complete_set_from_any_mac
     whole = {"0.5": {**{k: v for k, v in kept[key].items()}}}
     cells.write_text(json.dumps(whole))
     assert probe001.probe(None, None, plan, [], cells)[("warmed", 2e-4, "k8_group")] == mine   # no model needed
+
+
+def test_every_probe_001_update_starts_from_the_same_optimizer_state(tmp_path, monkeypatch):
+    """Each update of a cell starts from its own copy of the optimizer state: the null update (every
+    advantage 0) is then one and the same step after every batch, so its deltas are identical,
+    warmed as fresh; the state handed in is left as it was. (Loading one state into each update
+    chained them: load_state_dict keeps the dict's tensors and AdamW moves them in place.)"""
+    from lab import probe001
+    from models import policy
+    from tasks import workflow_task as task
+    from transformers import Qwen2ForCausalLM
+    import random
+    tok = policy.build_tokenizer(task.vocabulary())
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(policy.tiny_config(tok, 16, 1, task.MAX_POSITIONS)).eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    for _ in range(3):                  # a warmed AdamW: moments that a zero gradient still steps on
+        opt.zero_grad()
+        model(torch.tensor([[3, 4, 5]])).logits.logsumexp(-1).sum().backward()
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    monkeypatch.setattr(probe001, "warmed", lambda *a: (model, copy.deepcopy(state)))
+    out = probe001.probe(model, tok, dict(batches=3, lrs=(2e-3,), warming_lr=1e-3), task.make_prompts("train"),
+                         tmp_path / "cells.json")
+    for start in ("fresh", "warmed"):
+        null = out[(start, 2e-3, "null")]["p_off"]
+        assert null == [null[0]] * 3, (start, null)
+    assert out[("warmed", 2e-3, "null")]["p_off"][0] != 0.0        # a warmed AdamW moves even on a zero gradient
+    kept = copy.deepcopy(state)
+    batch, k = probe001.probe_batch(model, tok, "k2_group", random.Random(0), task.make_prompts("train"))
+    probe001.updated(model, state, batch, k, 2e-3)
+    assert all(torch.equal(a, b) for p in kept["state"] for a, b in
+               zip(kept["state"][p].values(), state["state"][p].values())), "the update moved the state it was given"
 
 
 def test_a_finished_probe_001_rewrites_its_table_from_its_deltas_without_measuring_again(tmp_path, monkeypatch):
