@@ -44,6 +44,12 @@ def rows_per_chunk(c_len: int, vocab: int) -> int:
     return max(1, LOGITS_CHUNK_ELEMENTS // max(1, c_len * vocab))
 
 
+def float32_or_wider(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 (bf16 and fp16 widened), or as it is if wider: a float64 model keeps float64
+    end to end, which is how tests/test_same_learning.py gets numbers no CPU's kernels move."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[ids] in float32 without materialising the (n, C, V) log-softmax.
 
@@ -54,7 +60,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     step = rows_per_chunk(logits.shape[1], logits.shape[2])
     out = []
     for i in range(0, len(logits), step):
-        chunk = logits[i:i + step].float()                                  # (rows, C, V)
+        chunk = float32_or_wider(logits[i:i + step])                        # (rows, C, V)
         picked = chunk.gather(-1, ids[i:i + step].unsqueeze(-1)).squeeze(-1)  # (rows, C)
         out.append(picked - torch.logsumexp(chunk, dim=-1))                 # (rows, C)
     return torch.cat(out)                                                   # (n, C)
@@ -79,7 +85,7 @@ def head_logits(model, h: torch.Tensor) -> torch.Tensor:
     A model that does something else is refused at load (`check_logprobs`)."""
     head = model.get_output_embeddings()
     with torch.autocast(device_type=h.device.type, enabled=False):     # the module itself, so its
-        logits = head(h.to(head.weight.dtype)).float()                  # hooks run; (rows, C, V)
+        logits = float32_or_wider(head(h.to(head.weight.dtype)))        # hooks run; (rows, C, V)
     cfg = model.config
     if getattr(cfg, "final_logit_softcapping", None):
         logits = torch.tanh(logits / cfg.final_logit_softcapping) * cfg.final_logit_softcapping
@@ -144,7 +150,7 @@ def completion_logprobs(model, tokens: Tokens, temperature: float = 1.0, with_en
     step = rows_per_chunk(c_len, model.get_output_embeddings().weight.shape[0])
     logps, entropies = [], []
     for i in range(0, len(completion_ids), step):
-        logits = head_logits(model, h[i:i + step, :-1]) / temperature       # (rows, C, V) float32
+        logits = head_logits(model, h[i:i + step, :-1]) / temperature       # (rows, C, V) float32 or wider
         # --mask-replay: log pi_K(y) = log pi(y) - log S, over the tokens the sampler kept
         kept = logits if tokens.kept is None else logits.masked_fill(~tokens.kept[i:i + step], -torch.inf)
         logps.append(token_logprobs(kept, completion_ids[i:i + step]))      # (rows, C)

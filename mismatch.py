@@ -47,6 +47,8 @@ from collections import deque
 import torch
 from torch import nn
 
+import logprobs
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}          # --rollout-dtype; "same": the policy
 CORRECTIONS = ("none", "tis", "mis", "geo-mask", "seq-error-mask", "bypass")
 SEQUENCE_MASKS = ("geo-mask", "seq-error-mask")
@@ -123,7 +125,7 @@ def sampler_logprobs(scores: tuple, completion_ids: torch.Tensor) -> torch.Tenso
     out = torch.zeros(n, c, device=completion_ids.device)
     rows = torch.arange(n, device=completion_ids.device)
     for t, s in enumerate(scores[:c]):
-        out[:, t] = torch.log_softmax(s.float(), -1)[rows, completion_ids[:, t]]
+        out[:, t] = torch.log_softmax(logprobs.float32_or_wider(s), -1)[rows, completion_ids[:, t]]
     return out
 
 

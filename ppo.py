@@ -82,7 +82,7 @@ class ValueHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type=h.device.type, enabled=False):     # float32 under bf16 autocast
-            return self.linear(h.float()).squeeze(-1)                      # (n, C, H) -> (n, C)
+            return self.linear(h.to(self.linear.weight.dtype)).squeeze(-1) # (n, C, H) -> (n, C)
 
     def values(self, tokens, h: torch.Tensor) -> torch.Tensor:
         """(n, C) values of the policy's hidden states h (n, C, H) predicting each token."""
@@ -121,8 +121,8 @@ def token_rewards(rewards, mask, beta: float = 0.0, kl_t=None):
     with the environment's tokens (0) in between; the reward goes on the last 1 of a row.
     """
     last = last_policy_token(mask)                                          # (n,)
-    r = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)   # (n, C)
-    r[torch.arange(len(last)), last] = rewards.float()
+    r = torch.zeros(mask.shape, device=mask.device)                         # (n, C) float32 (the default dtype)
+    r[torch.arange(len(last)), last] = rewards.to(r.dtype)
     if kl_t is not None and beta > 0:
         r = r - beta * kl_t * mask
     return r * mask

@@ -89,7 +89,7 @@ def sft_loss_sum(model, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Ten
     keep = target != -100
     h, target = h[:, :-1][keep], target[keep]                                    # (M, H), (M,)
     step = logprobs.rows_per_chunk(1, model.get_output_embeddings().weight.shape[0])
-    total = h.new_zeros((), dtype=torch.float32)
+    total = h.new_zeros((), dtype=logprobs.float32_or_wider(h).dtype)
     for i in range(0, len(target), step):
         logits = logprobs.head_logits(model, h[None, i:i + step])                # (1, m, V)
         total = total - logprobs.token_logprobs(logits, target[None, i:i + step]).sum()
