@@ -331,6 +331,10 @@ def test_probe_001_continues_its_own_cells_and_takes_a_complete_set_from_any_mac
     assert out[("fresh", 2e-4, "null")]["p_off"] == [0.0]                   # the other start's cell: computed
     kept = json.loads(cells.read_text())
     assert len(kept[key]) == 2 + 2 * len(probe001.CONDITIONS) and kept["0.999999"] == {"fresh|0.0002|null": mine}
+    near = f"{float(key) + 4e-6:.6f}"          # the same warm start rebuilt on another CPU: its cells continue
+    cells.write_text(json.dumps({near: {"warmed|0.0002|k2_group": mine}}))
+    out = probe001.probe(model, tok, plan, task.make_prompts("train"), cells)
+    assert out[("warmed", 2e-4, "k2_group")] == mine and list(json.loads(cells.read_text())) == [near]
     whole = {"0.5": {**{k: v for k, v in kept[key].items()}}}
     cells.write_text(json.dumps(whole))
     assert probe001.probe(None, None, plan, [], cells)[("warmed", 2e-4, "k8_group")] == mine   # no model needed
