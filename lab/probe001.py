@@ -252,7 +252,7 @@ def probe_001(lab) -> dict:
             vs_null = tests[(name, state, lr)] if condition == "k2_group" else None
             rows.append(f"| {name} | {state} | {lr:g} | {condition} | {statistics.fmean(d['p_off']):+.5f} "
                         f"[{lo:+.5f}, {hi:+.5f}] | " + " | ".join(f"{statistics.fmean(d[m]):+.4f}" for m in MEASURES[1:])
-                        + (f" | {vs_null[0]:+.5f} (p {vs_null[1]:.3g})" if vs_null else " | ") + " |")
+                        + (f" | {vs_null[0]:+.5f} (p {stats.p_value(vs_null[1])})" if vs_null else " | ") + " |")
     (out / "table.md").write_text(
         f"# probe_001 ({lab.model or 'the tiny model'}): one update, {batches} paired batches, exact measures on "
         f"the {len(task.make_prompts('eval'))} held-out prompts (lab/probe001.py)\n\nDeltas are after - before the "
@@ -269,7 +269,7 @@ def probe_001(lab) -> dict:
     jumped = {n: [lr for lr in lrs if jumps(tests, n, lr, lrs)] for n in results}
     said = "; ".join(
         f"{n}, warmed AdamW (P(off) before {r[('warmed', 'before')]['p_off']:.3f}): k2_group - null dP(off) "
-        + ", ".join(f"{tests[(n, 'warmed', lr)][0]:+.1e} at lr {lr:g} (p {tests[(n, 'warmed', lr)][1]:.2g})"
+        + ", ".join(f"{tests[(n, 'warmed', lr)][0]:+.1e} at lr {lr:g} (p {stats.p_value(tests[(n, 'warmed', lr)][1])})"
                     for lr in lrs)
         + f"; fresh AdamW at lr {lrs[-1]:g}: {tests[(n, 'fresh', lrs[-1])][0]:+.1e}" for n, r in results.items())
     verdict = ("reproduced" if any(jumped.values()) else

@@ -340,7 +340,11 @@ def tested_verdict(verdict: str, tests: list, experiment: str) -> str:
 
 
 def p_value(p: float) -> str:
-    """p to three decimals, or two significant digits below 0.01 (Fisher's 6/792 = 0.0076)."""
+    """p to three decimals, or two significant digits below 0.01 (Fisher's 6/792 = 0.0076). A
+    p at the floor of RESAMPLES random patterns (none as extreme as the data) is a bound, not a
+    value: "< 5e-05 (Monte Carlo)"."""
+    if p == 1 / RESAMPLES:
+        return f"< {p:.2g} (Monte Carlo)"
     return f"{p:.3f}" if p >= 0.01 else f"{p:.2g}"
 
 

@@ -411,7 +411,7 @@ def test_probe_001s_summary_is_recomputed_from_its_committed_deltas(folder):
             for state in ("fresh", "warmed"):
                 tests[(start, state, lr)] = probe001.rises(deltas, state, lr)
             d, p = tests[(start, "warmed", lr)]
-            assert f"{d:+.1e} at lr {lr:g} (p {p:.2g})" in entry["measured"], (start, lr)
+            assert f"{d:+.1e} at lr {lr:g} (p {stats.p_value(p)})" in entry["measured"], (start, lr)
     jumped = any(probe001.jumps(tests, s, lr, lrs) for s in raw for lr in lrs)
     raised = any(tests[(s, "warmed", lr)][1] < 0.05 and tests[(s, "warmed", lr)][0] > 0 for s in raw for lr in lrs)
     assert entry["verdict"].split(":")[0] == ("reproduced" if jumped else "partly" if raised else "not reproduced")

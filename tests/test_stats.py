@@ -74,6 +74,15 @@ def test_sign_flip_against_a_loop_and_by_hand():
     assert stats.sign_flip(d) == pytest.approx(want)
 
 
+def test_a_p_at_the_floor_of_the_random_patterns_is_said_as_a_bound():
+    """30 positive differences: none of 20,000 random sign patterns reaches their mean, so the p is
+    1/20,000 by construction, an upper bound and not a measured value; an exact p is said as it is."""
+    p = stats.sign_flip([0.01 * (i + 1) for i in range(30)])
+    assert p == 1 / stats.RESAMPLES and stats.p_value(p) == "< 5e-05 (Monte Carlo)"
+    assert stats.p_value(stats.sign_flip([0.1, 0.2, 0.05, 0.3, 0.15])) == "0.031"      # 1/32, exact
+    assert stats.p_value(6 / 792) == "0.0076" and stats.p_value(3.9e-7) == "3.9e-07"   # Fisher's, exact
+
+
 def test_fisher_power_against_a_simulation():
     rng = random.Random(0)
     trials, hits = 4000, 0
