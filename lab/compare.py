@@ -193,7 +193,8 @@ def slug(setting: str) -> str:
 
 def spread(xs: list) -> str:
     """mean ± std [min–max] of the values there are; a run without the value (None) is left
-    out and counted: "(5 of 6 runs)"."""
+    out and counted: "(5 of 6 runs)". The std is the population std over the runs (pstdev), which
+    reads sqrt((n-1)/n) of the sample std: 18% lower at 3 runs, 9% at 6, 5% at 10."""
     there = [x for x in xs if x is not None]
     if not there:
         return f"n/a (0 of {len(xs)} runs)"

@@ -443,7 +443,19 @@ def rolled_back(lab: RealLab, base: tuple, arm: tuple, log) -> dict:
                       f"keeps GRPO on SmolLM2 ({base[1]}) off its collapse onto one answer",
                 measured=f"{measured}; rollbacks a run {compare.spread(taken)}",
                 verdict=f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(p)})" if p < stats.ALPHA
-                else "not reproduced: as many ended on one answer" if back / m >= ended / n else "inconclusive")
+                else undecidable(ended, n, m, "not reproduced: as many ended on one answer" if back / m >= ended / n
+                                 else "inconclusive"))
+
+
+def undecidable(ended: int, n: int, m: int, letter: str) -> str:
+    """The rule's letter, unless the baseline's count left the test no outcome to decide with: if
+    even none of the arm's m runs ending on one answer gives p >= alpha against ended of n, no
+    result could have reproduced the claim, so none can say it was not; the letter stays beside."""
+    best = stats.fisher(ended, n, 0, m)
+    if best < stats.ALPHA:
+        return letter
+    return (f"inconclusive: with {ended}/{n} without, even 0/{m} with would give p = {stats.p_value(best)}, so "
+            f"the test could decide nothing (the registered rule's letter: {letter.split(':')[0]})")
 
 
 POWERED_COLUMNS = [("held-out best (start)", "eval_best_rate_start"), ("held-out best (end)", "eval_best_rate_end"),

@@ -218,3 +218,14 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
            f"Fisher p = {e:.3f}" in epochs["measured"] and "(K=8, B=3, two epochs)" in epochs["claim"]
     assert epochs["verdict"] == ("not reproduced: as many ended on one answer" if back >= none else "inconclusive")
     assert epochs["figure"] == "real_rollback_epochs/compare.png" and (lab.root / epochs["figure"]).exists()
+
+
+def test_a_baseline_too_low_to_beat_leaves_the_rollback_verdict_inconclusive():
+    """With 3 of 10 baseline runs on one answer, even 0 of 10 with --rollback gives Fisher's
+    one-sided p = C(10,3) / C(20,3) = 120/1140 = 0.105: no outcome could reproduce the claim, so
+    4/10 against 3/10 is not a "not reproduced" but undecided; with 7/10, 1/10 decides."""
+    from lab import real
+    assert 120 / 1140 == pytest.approx(0.10526, abs=1e-5)
+    said = real.undecidable(3, 10, 10, "not reproduced: as many ended on one answer")
+    assert said.startswith("inconclusive") and "p = 0.105" in said and "letter: not reproduced" in said
+    assert real.undecidable(7, 10, 10, "inconclusive") == "inconclusive"          # 0/10 against 7/10: p = 0.0015
