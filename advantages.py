@@ -10,7 +10,11 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
     compute(rewards, k, norm)        the one entry point the trainer, plots and tests call
         norm="group"   GRPO            A = (r - mean_g) / std_g
         norm="drgrpo"  Dr. GRPO        A = r - mean_g
-        norm="global"  REINFORCE++     A = (r - mean_N) / std_N
+        norm="global"  batch z-score   A = (r - mean_N) / std_N          each sequence weighs 1
+        norm="reinforce++"  (verl, OpenRLHF)
+                                       A = (r - mean_T) / std_T          over the batch's tokens
+                                       every token carries its sequence's reward and is whitened
+                                       over all tokens, so a sequence weighs by its length
         norm="batch"   TRL scale_rewards="batch" (Lite PPO)
                                        A = (r - mean_g) / std_N          std of the raw rewards
         norm="reinforce++-baseline"    (verl, OpenRLHF)
@@ -25,7 +29,7 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
     frac_pm1(advantages)                     share of advantages that are exactly +-1
 
 Under torchrun each process holds whole groups of K, so the group estimators need nothing
-from the others; global, batch and reinforce++-baseline sum over processes (`all_sum`) for
+from the others; global, reinforce++, batch and reinforce++-baseline sum over processes (`all_sum`) for
 the batch's mean and std (batch_mean_std), as whiten does for PPO. In one process those sums
 are the identity.
 
@@ -52,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-NORMS = ("group", "drgrpo", "global", "batch", "reinforce++-baseline", "rloo", "maxrl", "none")
+NORMS = ("group", "drgrpo", "global", "reinforce++", "batch", "reinforce++-baseline", "rloo", "maxrl", "none")
 GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo", "maxrl")  # these need K >= 2
 
 
@@ -144,11 +148,11 @@ def compute(rewards: torch.Tensor, k: int, norm: str, unbiased: bool = False,
     clip: if given, clamp advantages to [-clip, clip] (report 001's fix D uses 3, report
         000's intent is 5; its formula `max(adv,-5) + min(adv,5)` is not a clamp: for
         adv=1 it gives 1 + 1 = 2).
-    lengths: (N,) policy tokens per sequence, for reinforce++-baseline only: verl and
-        OpenRLHF whiten the advantage after spreading it over tokens, so a sequence weighs
+    lengths: (N,) policy tokens per sequence, for reinforce++ and reinforce++-baseline: verl
+        and OpenRLHF whiten the advantage after spreading it over tokens, so a sequence weighs
         by its length in the batch mean and std (None: every sequence weighs 1).
     Under torchrun rewards is this process's whole groups; the three estimators with batch
-    statistics (global, batch, reinforce++-baseline) sum over every process, so their mean
+    statistics (global, reinforce++, batch, reinforce++-baseline) sum over every process, so their mean
     and std are the whole batch's.
     Returns (N,) advantages in the rewards' float dtype.
     """
@@ -167,8 +171,16 @@ def compute(rewards: torch.Tensor, k: int, norm: str, unbiased: bool = False,
         #                                          easy/hard prompts; drop it)
         a = g - g.mean(1, keepdim=True)                                         # (B, K)
     elif norm == "global":
-        # A_i = (r_i - mean_N) / std_N            (REINFORCE++: one baseline for the batch)
+        # A_i = (r_i - mean_N) / std_N            (one baseline and one scale for the batch, over its
+        #     N sequences. REINFORCE++'s idea, but verl and OpenRLHF whiten over tokens: reinforce++)
         mean, std = batch_mean_std(r, torch.ones_like(r), unbiased)
+        a = _safe_div(r - mean, std, EPS)                                       # (N,)
+    elif norm == "reinforce++":
+        # A_i = (r_i - mean_T) / std_T,  mean_T = sum_i L_i r_i / sum_i L_i     (REINFORCE++, verl's
+        #     and OpenRLHF's: each of sequence i's L_i tokens carries r_i, whitened over the batch's
+        #     tokens; Bessel-corrected as verl's masked_whiten, whatever `unbiased` says)
+        w = torch.ones_like(r) if lengths is None else lengths.to(torch.float64)  # (N,)
+        mean, std = batch_mean_std(r, w, True)
         a = _safe_div(r - mean, std, EPS)                                       # (N,)
     elif norm == "batch":
         # A_i = (r_i - mean_g) / std_N            (group baseline, batch scale; std_N is the

@@ -138,7 +138,7 @@ def prepare(batch, hp: HyperParams) -> None:
     if hp.kl_in_reward and batch.ref_logp is not None:
         kl_t = kl.estimate(batch.old_logp, batch.ref_logp, kl.estimator(hp))       # (N, C)
         r = r - hp.beta * (kl_t * mask).sum(1).cpu()
-    # batch statistics (global, batch, reinforce++-baseline) are summed over every process
+    # batch statistics (global, reinforce++, batch, reinforce++-baseline) are summed over every process
     batch.advantages = advantages.compute(r, hp.k, hp.norm, unbiased=hp.unbiased, clip=hp.adv_clip or None,
                                           lengths=mask.sum(1).cpu()).to(mask.device)  # (N,)
 

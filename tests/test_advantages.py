@@ -136,6 +136,44 @@ def test_reinforce_pp_baseline_equals_a_reimplementation_of_verl_on_random_batch
         assert not torch.allclose(ours, adv.compute(rewards, k, "batch"))      # not the same estimator
 
 
+def verl_reinforce_pp(rewards, mask, gamma=1.0):
+    """A re-implementation of verl's REINFORCE++ (compute_reinforce_plus_plus_outcome_advantage):
+    the outcome reward on each response's last token, returns summed backwards with gamma (reset
+    past the response), then masked whitening over every response token, Bessel-corrected."""
+    m = mask.double()
+    last = m.sum(1).long() - 1                                                # (N,)
+    token_rewards = torch.zeros_like(m)
+    token_rewards[torch.arange(len(last)), last] = rewards.double()
+    returns, running = torch.zeros_like(m), torch.zeros(len(m), dtype=torch.float64)
+    for t in reversed(range(m.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]
+    mean = (returns * m).sum() / m.sum()
+    var = ((returns - mean) ** 2 * m).sum() / m.sum() * m.sum() / (m.sum() - 1)
+    return ((returns - mean) * torch.rsqrt(var + 1e-8) * m).float()
+
+
+def test_reinforce_pp_equals_verls_token_whitening_and_global_does_not():
+    """REINFORCE++ as verl and OpenRLHF compute it whitens over the batch's tokens, so a long
+    completion weighs by its length; `global` z-scores the N sequences, each weighing 1. On
+    completions of unequal lengths the two differ, and may differ in sign; on equal lengths they
+    agree up to Bessel's correction."""
+    gen = torch.Generator().manual_seed(7)
+    rewards = torch.tensor([1.0, 0.2, 0.0])[torch.randint(0, 3, (32,), generator=gen)]   # report 001's rewards
+    lengths = torch.where(rewards == 0, 35, 6) + torch.randint(0, 4, (32,), generator=gen)  # junk runs long
+    mask = (torch.arange(40)[None, :] < lengths[:, None]).long()                  # (N, T)
+    ours = adv.compute(rewards, 8, "reinforce++", lengths=lengths)                # (N,)
+    torch.testing.assert_close(ours[:, None] * mask, verl_reinforce_pp(rewards, mask), rtol=1e-5, atol=1e-6)
+    seq = adv.compute(rewards, 8, "global")
+    gap = (seq - ours).abs()
+    assert gap.mean() > 0.02, "on unequal lengths token weighting moves the baseline and the scale"
+    assert (torch.sign(seq) != torch.sign(ours)).any(), "a 0.2 between the token mean and the row mean changes sides"
+    tokens = 32 * 10                       # equal lengths: std over 320 tokens (Bessel) against 32 rows (population)
+    torch.testing.assert_close(adv.compute(rewards, 8, "reinforce++", lengths=torch.full((32,), 10))
+                               * (tokens / (tokens - 1)) ** 0.5, seq, rtol=1e-5, atol=1e-6)
+
+
 def test_global_keeps_the_sign_of_reward_minus_batch_mean():
     gen = torch.Generator().manual_seed(2)
     r = torch.rand(64, generator=gen)

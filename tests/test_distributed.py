@@ -21,7 +21,7 @@ from running import distributed
 
 ROOT = Path(__file__).parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-BATCH_STATISTICS = ("global", "batch", "reinforce++-baseline")      # the estimators that need the sums
+BATCH_STATISTICS = ("global", "reinforce++", "batch", "reinforce++-baseline")      # the estimators that need the sums
 # Seen once in CI (torch 2.13, gloo, 2 CPU ranks), never in 45 runs here: one rank ended by
 # std::terminate with no Python traceback. A maths error cannot print this; the worker is run
 # once more on it, with a warning, and a second abort fails the test.
@@ -53,7 +53,7 @@ def test_every_estimator_on_two_ranks_equals_one_process(ranks, norm):
 
 @pytest.mark.parametrize("norm", advantages.NORMS)
 def test_per_rank_statistics_change_exactly_the_batch_estimators(ranks, norm):
-    """Computed on each rank's half alone, global, batch and reinforce++-baseline become other
+    """Computed on each rank's half alone, global, reinforce++, batch and reinforce++-baseline become other
     estimators (their mean and std are a half-batch's); the group estimators do not change:
     a prompt's K samples all live on one rank."""
     (r0, r1), whole = ranks
