@@ -79,8 +79,21 @@ def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
     if group_size_problem(cfg.k, cfg.norm):
         yield "k", group_size_problem(cfg.k, cfg.norm)
-    if cfg.norm == "maxrl" and cfg.task == "tools":
-        yield "norm", "maxrl divides by the group's mean reward, written for rewards >= 0; the tools task's go below 0"
+    if cfg.norm == "maxrl" and negative_rewards(cfg):
+        yield "norm", (f"maxrl divides by the group's mean reward, written for rewards >= 0; {negative_rewards(cfg)} "
+                       f"can push a reward below 0")
+
+
+def negative_rewards(cfg) -> str | None:
+    """What in cfg can make a reward negative, or None: the tools task's rewards, DAPO's overlong
+    penalty (grpo.prepare adds min(0, ...)), a KL penalty taken in the reward (r - beta * KL)."""
+    if cfg.task == "tools":
+        return "the tools task's rewards"
+    if cfg.overlong_buffer:
+        return "--overlong-buffer's penalty"
+    if cfg.kl_in_reward and cfg.beta > 0:
+        return "the KL penalty in the reward (--kl-in reward with --beta > 0)"
+    return None
 
 
 # ---- checks and small helpers ----

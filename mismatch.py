@@ -102,6 +102,11 @@ def problems(cfg):
     if cfg.rollout_c_min != Knobs.rollout_c_min and cfg.rollout_correction != "mis":
         yield "rollout-c-min", (f"only --rollout-correction mis drops tokens below a floor; {cfg.rollout_correction} "
                                 f"would ignore it")
+    if cfg.rollout_correction not in ("none", "tis", "mis"):  # only tis and mis weigh tokens by w, capped
+        for name in ("rollout_correction_level", "rollout_c_max"):
+            if getattr(cfg, name) != getattr(Knobs, name):
+                yield name, (f"only --rollout-correction tis and mis read it; {cfg.rollout_correction} would "
+                             f"ignore it")
     if not 0 < cfg.geo_mask_eps < 1:
         yield "geo-mask-eps", f"must be in (0, 1): the band [1 - eps, 1 + eps] would be empty, got {cfg.geo_mask_eps}"
     for name, mode in (("geo_mask_eps", "geo-mask"), ("seq_error_max", "seq-error-mask")):

@@ -22,8 +22,9 @@ prime-rl's default loss (delta 0.2 for TV), verl's `dppo_tv` / `dppo_kl` (whose 
     sq-logratio   loss_it = -A_it log p_it + (beta / 2) (log p_it - log p_old_it)^2
 
 no mask and no clip: a soft trust region whose pull back grows with the distance moved
-(Tinker's "dro", beta 0.05 as its docs' example; Kimi K2's; prime-rl adds the same square at
-1e-3 to DPPO). Its gradient is
+(Tinker's "dro", beta 0.05 as its docs' example; prime-rl adds the same square at 1e-3 to DPPO;
+Kimi's k1.5/K2 square the whole sequence's log-ratio instead, which pulls back alike only while
+every ratio is 1). Its gradient is
 (-A + beta log r) grad log p: the plain policy gradient at r = 1.
 
     vespo     loss_it = -phi(w_i) A_i log p_it,   phi(w) = e^lam w^k e^(-lam w)  (phi(1) = 1, no gradient)

@@ -340,3 +340,23 @@ def test_maxrl_is_refused_on_the_tools_task_whose_rewards_go_below_zero(tmp_path
     assert_refused_in_one_line(tmp_path, capsys, ["--task", "tools", "--reward", "sparse", "--norm", "maxrl"],
                                "--norm: maxrl divides by the group's mean reward")
 
+
+
+@pytest.mark.parametrize("argv", [["--overlong-buffer", "4"], ["--kl-in", "reward", "--beta", "0.05"]],
+                         ids=["overlong", "kl_in_reward"])
+def test_maxrl_is_refused_wherever_a_reward_can_go_below_zero(tmp_path, capsys, argv):
+    """DAPO's overlong penalty and a KL penalty in the reward push rewards below 0, where maxrl's
+    division by the group's mean flips sign or explodes (the test below). Each is refused in one
+    line, exit 2, before any model is built; the same flags with another estimator, or maxrl with
+    --beta 0, are not."""
+    from conftest import assert_refused_in_one_line, configure
+    assert_refused_in_one_line(tmp_path, capsys, [*argv, "--norm", "maxrl"], "--norm: maxrl divides by the group's mean reward")
+    configure([*argv, "--norm", "drgrpo"])
+    configure(["--kl-in", "reward", "--beta", "0", "--norm", "maxrl"])
+
+
+def test_maxrl_explodes_on_a_group_whose_rewards_straddle_zero():
+    """Why it is refused, by hand: rewards [1, -0.99, 0, 0] have mean 0.0025 > 0, so maxrl divides
+    by it: A = (r - 0.0025) / 0.0025."""
+    a = adv.compute(torch.tensor([1.0, -0.99, 0.0, 0.0]), 4, "maxrl")
+    torch.testing.assert_close(a, torch.tensor([399.0, -397.0, -1.0, -1.0]))

@@ -282,6 +282,10 @@ def test_a_made_mismatch_is_logged_and_corrected(flags, tmp_path):
     (["--rollout-correction", "geo-mask", "--geo-mask-eps", "0"], "--geo-mask-eps: must be in (0, 1)"),
     (["--rollout-correction", "seq-error-mask", "--seq-error-max", "1"], "--seq-error-max: must be > 1"),
     (["--rollout-correction", "tis", "--geo-mask-eps", "0.1"], "--geo-mask-eps: only --rollout-correction geo-mask"),
+    (["--rollout-correction", "geo-mask", "--rollout-c-max", "5"], "--rollout-c-max: only --rollout-correction tis and mis"),
+    (["--rollout-correction", "seq-error-mask", "--rollout-c-max", "5"], "--rollout-c-max: only --rollout-correction tis"),
+    (["--rollout-correction", "bypass", "--rollout-correction-level", "sequence"],
+     "--rollout-correction-level: only --rollout-correction tis and mis read it"),
     (["--rollout-correction", "tis", "--algo", "rce"], "--rollout-correction: only --algo grpo and ppo use it"),
 ])
 def test_bad_mismatch_settings_are_refused_in_one_line(argv, message, tmp_path, capsys):

@@ -121,6 +121,22 @@ def test_sq_logratio_is_tinkers_dro_in_value_and_gradient():
         torch.testing.assert_close(g_mine, g_theirs)
 
 
+def test_sq_logratio_squares_each_tokens_log_ratio_not_the_sequences_as_kimi_does():
+    """Kimi's loss (k1.5, K2) pulls back with (tau/2) (sum_t log r_t)^2, the whole sequence's
+    log-ratio squared; ours squares each token's. The gradients on token t are beta log r_t and
+    tau sum_s log r_s: equal where every ratio is 1 (the first epoch), apart after a move."""
+    for seed in range(4):
+        logp, old, adv, mask = inputs(seed)
+        moved = (old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed))).requires_grad_(True)
+        for start, apart in ((old.clone().requires_grad_(True), False), (moved, True)):
+            mine, _, _ = ours("sq-logratio", start, old, torch.zeros_like(adv), mask, sq_beta=0.3)
+            (g_mine,) = torch.autograd.grad((mine * mask).sum(), start)
+            kimi = 0.5 * 0.3 * (((start - old) * mask).sum(1) ** 2).sum()                       # the sequence's square
+            (g_kimi,) = torch.autograd.grad(kimi, start)
+            gap = ((g_mine - g_kimi) * mask).abs().max().item()
+            assert (gap > 1e-3) == apart, (seed, apart, gap)
+
+
 def test_vespo_is_trls_in_value_and_gradient():
     for seed in range(4):
         logp, old, adv, mask = inputs(seed, c=3)              # short sequences: products near 1 too
