@@ -1,10 +1,11 @@
 """The lab's figures other than a comparison's (lab/compare.py): Lesson 1's advantage
 distributions and bars over seeds.
 
-    python -m lab.figures         # results/k2_pm1/advantages.png, the K=2 +-1 spikes, and its table
+    python -m lab.figures         # runs/lab/k2_pm1/advantages.png (or the path given), the K=2 +-1 spikes, and its table
 """
 import itertools
 import math
+import sys
 import textwrap
 from pathlib import Path
 
@@ -160,7 +161,7 @@ def main() -> None:
     """Lesson 1's figure and its table: the share of |A| = 1 (and of zero-variance groups),
     exact where the counts decide it (exact_shares), else over the figure's 500 simulated
     batches (marked ~)."""
-    out = Path("results/k2_pm1/advantages.png")
+    out = Path(sys.argv[1] if sys.argv[1:] else "runs/lab/k2_pm1/advantages.png")   # results/k2_pm1/: committed
     grid = plot_advantages(out)
     print(f"wrote {out}")
     print("share of advantages with |A| == 1 (zero-variance groups), by norm and K; ~ simulated:")

@@ -1,18 +1,20 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all twenty-three experiments, 6 seeds per setting (20 for the
-                                         # collapse experiments; docs/lab-notebook.md: its time), then
-                                         # the detector bench over their kept runs and rollback against none
+    python -m lab                        # all of them, 6 seeds per setting (20 for the collapse
+                                         # experiments; docs/lab-notebook.md: its time), then the detector
+                                         # bench over their kept runs and rollback against none
     python -m lab group_norm tools       # some of them
     python -m lab --quick                # all of them, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
-    python -m lab --model smollm2-135m   # the central claims on a real model, 3 seeds (lab/real.py),
-                                         # into results/smollm2-135m; stop it and run it again to continue
-    python -m lab --model smollm2-135m --jobs 4 group_norm   # a toy experiment, scaled for a real model
+    python -m lab --model smollm2-135m   # the central claims on a real model (lab/real.py), into
+                                         # runs/lab/smollm2-135m; stop it and run it again to continue
+    python -m lab --out results NAME     # a maintainer's refresh of the committed results/
 
-Each experiment writes results/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures)
-and returns the report's claim, what we measured, and a verdict computed from the numbers by
-a rule stated in the code below (never tuned to agree). results/SUMMARY.md collects them all.
+Each experiment writes OUT/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures) and
+returns the report's claim, what we measured, and a verdict computed from the numbers by a rule
+stated in the code below (never tuned to agree); OUT/SUMMARY.md collects them all. OUT is
+runs/lab (runs/lab/MODEL with --model) unless --out says otherwise: your runs are yours, and the
+committed results/ change only when asked.
 """
 import argparse
 import fcntl
@@ -94,8 +96,8 @@ def main(argv=None):
     p.add_argument("names", nargs="*", help="experiments to run (default: all)")
     p.add_argument("--quick", action="store_true", help="2 seeds and a few steps each: a smoke test")
     p.add_argument("--out", type=Path, default=None,
-                   help="where NAME/, summary.json and SUMMARY.md go (default: results, or runs/lab-quick "
-                        "with --quick, so a smoke test never overwrites the results)")
+                   help="where NAME/, summary.json and SUMMARY.md go (default: runs/lab, runs/lab/MODEL "
+                        "with --model, runs/lab-quick with --quick; --out results refreshes the committed ones)")
     p.add_argument("--list", action="store_true")
     p.add_argument("--model", default="", help="run on a real model (train.py --model, e.g. smollm2-135m), "
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
@@ -118,7 +120,7 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *REAL])}")
     out = args.out or Path("runs/lab-quick" if args.quick else
-                           f"results/{args.model.replace('/', '_')}" if args.model else "results")
+                           f"runs/lab/{args.model.replace('/', '_')}" if args.model else "runs/lab")
     if not config.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     if args.model and not args.quick and all(n in REAL for n in args.names):

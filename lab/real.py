@@ -2,15 +2,16 @@
 the powered experiments (POWERED: K=8 against K=2, adaptive entropy, LoRA, --rollback) over the
 10 seeds the power analysis asks for.
 
-    python -m lab --model smollm2-135m                  # all of them, into results/smollm2-135m/
+    python -m lab --model smollm2-135m                  # all of them, into runs/lab/smollm2-135m/
     python -m lab --model smollm2-135m real_group_size  # one of them
+    python -m lab --model smollm2-135m --out results/smollm2-135m NAME   # the committed runs, continued
 
 The toy lab (the other experiments) runs every comparison on a 130k-parameter model; this one
 runs the central ones on a pretrained LLM, sized for a 2-core CPU: fewer steps, 8 held-out
 prompts x 2 samples per evaluation, --fast, lr 2e-5 (train.py's default for a real model).
 
 Every (experiment, setting, seed) run is kept when it finishes (its folder under
-results/smollm2-135m/NAME/runs/, committed) and skipped when the lab runs again with the same
+OUT/NAME/runs/; results/smollm2-135m/NAME/runs/ are the committed ones) and skipped when the lab runs again with the same
 flags: the lab can be stopped at any moment (Ctrl-C, kill -9, the end of a session) and loses
 at most the run in progress, which starts again from its beginning. Before it starts, the lab
 prints how many runs are left and its estimate of their time (`estimate`).

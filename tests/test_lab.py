@@ -641,3 +641,13 @@ def test_rce_grpos_over_training_count_from_its_kept_runs():
                 evals[-1]["train_answer_nll"] <= low["train_answer_nll"]:
             over += 1
     assert f"while the training prompts' NLL did not rise: {over}/{len(grpo_only)};" in measured
+
+
+def test_the_lab_writes_into_runs_lab_unless_told_to_refresh_results(tmp_path, monkeypatch):
+    """A user following the lessons runs `python -m lab NAME`: its runs, figures and SUMMARY.md go
+    to runs/lab/, so the committed results/ stay as they are; `--out results` is the maintainers'
+    refresh."""
+    monkeypatch.chdir(tmp_path)
+    lab.main(["k2_pm1"])
+    assert (tmp_path / "runs" / "lab" / "k2_pm1" / "advantages.png").is_file()
+    assert (tmp_path / "runs" / "lab" / "SUMMARY.md").is_file() and not (tmp_path / "results").exists()
