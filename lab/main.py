@@ -57,6 +57,13 @@ REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (
 NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
+def said_verdict(out: Path, name: str, entry: dict) -> str:
+    """The verdict as SUMMARY.md records it (stats.tested_verdict over the tests made after the
+    runs): the terminal says what the file says, never a rule's bare letter where its test did not decide."""
+    tested = stats.after_the_fact(out, name) if not entry.get("quick") else []
+    return stats.tested_verdict(entry["verdict"], tested, name)
+
+
 def summary_md(results: dict, root: Path | None = None) -> str:
     """SUMMARY.md of the entries in results; root: the lab's folder, whose runs give the tests
     made after them (stats.after_the_fact) for the entries whose rule named none."""
@@ -78,7 +85,7 @@ def summary_md(results: dict, root: Path | None = None) -> str:
         if changed:
             ruled += (f"\n- **Rule changed after runs existed.** Under the rule registered "
                       f"{changed.get('registered')} (\"{changed['rule']}\") the verdict was: {changed['verdict']}")
-        tested = stats.after_the_fact(root, name) if root and not r.get("quick") else []
+        tested = stats.after_the_fact(root, name) if root and not r.get("quick") else []    # as said_verdict
         if tested:
             why = "beside the registered test" if stats.NAMED_TEST.search(rule.get("text", "")) else \
                 "the rule named no test"
@@ -143,8 +150,8 @@ def main(argv=None):
                      date=time.strftime("%Y-%m-%d"), seeds=lab.most_seeds or None, quick=args.quick,
                      rule=rule_of(EXPERIMENTS[name]))
         mark = "QUICK, a smoke test and not a verdict: " if args.quick else ""
-        print(f"{name}: {mark}{entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry)                                        # after every experiment
+        print(f"{name}: {mark}{said_verdict(out, name, entry)} ({entry['seconds']:.0f} s)", flush=True)
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 
 
@@ -162,8 +169,8 @@ def real_lab(args, out: Path) -> None:
         print(f"{name} ...", flush=True)
         entry = dict(REAL[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
                      seeds=lab.seeds_of(name), quick=False, rule=rule_of(REAL[name]))
-        print(f"{name}: {entry['verdict']} ({entry['seconds']:.0f} s)", flush=True)
         record(out, name, entry, order=list(REAL))
+        print(f"{name}: {said_verdict(out, name, entry)} ({entry['seconds']:.0f} s)", flush=True)
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 
 

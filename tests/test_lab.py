@@ -651,3 +651,16 @@ def test_the_lab_writes_into_runs_lab_unless_told_to_refresh_results(tmp_path, m
     lab.main(["k2_pm1"])
     assert (tmp_path / "runs" / "lab" / "k2_pm1" / "advantages.png").is_file()
     assert (tmp_path / "runs" / "lab" / "SUMMARY.md").is_file() and not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("name", ["dynamic_sampling", "critic", "group_norm"])
+def test_the_terminal_says_the_verdict_summary_md_records(name):
+    """dynamic_sampling's rule letter says "reproduced" while its test after the runs gives
+    p = 0.08: the line the lab prints is SUMMARY.md's verdict, not the bare letter."""
+    results = Path(__file__).parent.parent / "results"
+    entry = json.loads((results / "summary.json").read_text())[name]
+    said = lab.said_verdict(results, name, entry)
+    recorded = (results / "SUMMARY.md").read_text().split(f"## {name} ")[1].split("- **Verdict:** ")[1]
+    assert recorded.startswith(said + ". ("), (said, recorded[:200])
+    if name == "dynamic_sampling":
+        assert said.startswith("inconclusive")
