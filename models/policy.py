@@ -148,6 +148,15 @@ def tiny_policy(task, hidden: int, layers: int, warm: warm_start.WarmStart, cach
 
 # ---- a real (pretrained) Hugging Face model ----
 
+def tied_keys(model) -> set:
+    """The output embedding's weight when it is the input embedding's (tie_word_embeddings): a
+    checkpoint need not store it."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    head = model.get_output_embeddings()
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p is head.weight}
+
+
 def real_policy(task, folder: Path, warm: warm_start.WarmStart, cache_dir: Path, device: str = "cpu", log=print):
     """A Hugging Face causal-LM folder (pretrained.resolve) and its tokenizer, float32 weights
     on device, checked (logprobs.check_logprobs), warm-started on the task's mix when
@@ -156,9 +165,13 @@ def real_policy(task, folder: Path, warm: warm_start.WarmStart, cache_dir: Path,
         from transformers import AutoModelForCausalLM
         try:               # a folder that passed pretrained's checks can still not be a causal LM we can load
             tok = load_tokenizer(Path(folder))
-            model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+            model, info = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                               output_loading_info=True)
             if len(tok) == 0:
                 raise ValueError("its tokenizer has no vocabulary")
+            missing = [k for k in info["missing_keys"] if k not in tied_keys(model)]
+            if missing:     # transformers fills them with random numbers: training that is no model's
+                raise ValueError(f"its weights lack {len(missing)} of the model's tensors ({missing[0]}, ...)")
         except (OSError, ValueError, KeyError, RuntimeError, TypeError, AttributeError) as e:
             first = (str(e).strip().splitlines() or [""])[0][:200]
             raise ModelError(f"--model: {str(folder)!r} does not load as a causal language model with its "

@@ -108,3 +108,27 @@ def test_train_refuses_a_bad_model_before_any_work(tmp_path, model, expected, ca
     assert code == 2, err
     assert expected in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_a_folder_whose_weights_lack_the_models_tensors_is_refused_in_one_line(tmp_path):
+    """A config, a tokenizer and a weights file holding none of the model's tensors: transformers
+    would fill them with random numbers and train that; it is refused, in one line, naming how many
+    tensors are missing. The same folder with its weights whole loads (the tied head need not be stored)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import warm_start
+    from models import policy
+    from tasks import workflow_task as task
+    tok = policy.build_tokenizer(task.vocabulary())
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    no_warm = warm_start.WarmStart(0, 1e-4, 1)
+    model, _ = policy.real_policy(task, tmp_path / "m", no_warm, tmp_path / "cache", log=lambda s: None)
+    assert model.config.model_type == "llama"
+    save_file({}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(pretrained.ModelError, match=r"its weights lack \d+ of the model's tensors") as e:
+        policy.real_policy(task, tmp_path / "m", no_warm, tmp_path / "cache", log=lambda s: None)
+    assert "\n" not in str(e.value)
