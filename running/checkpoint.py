@@ -302,13 +302,19 @@ def weights_sha256(ckpt: Path) -> str:
     return digest.hexdigest()
 
 
-def set_aside_later(run_dir: Path, step: int) -> Path | None:
-    """One folder, one history: resumed from an older checkpoint, the later ones move (never deleted)
-    to checkpoints.abandoned-after-step-N, returned, where --resume cannot pick them."""
+def set_aside_later(run_dir: Path, step: int) -> tuple[Path | None, list[str]]:
+    """One folder, one history: resumed from an older checkpoint, the later whole ones move (never
+    deleted) to checkpoints.abandoned-after-step-N, where --resume cannot pick them. A save cut
+    short (step-N.tmp, or a folder without its state file) is no history: this program's own half
+    write, removed. Returns (that folder or None, the names removed)."""
     number = lambda p: p.name.split("-")[-1].split(".")[0]                 # step-000012(.tmp) -> 000012
     later = [p for p in Path(run_dir).glob("checkpoints/step-*") if number(p).isdigit() and int(number(p)) > step]
+    cut = [p for p in later if p.name.endswith(".tmp") or not (p / STATE_FILE).is_file()]
+    for p in cut:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    later = [p for p in later if p not in cut]
     if not later:
-        return None
+        return None, [p.name for p in cut]
     base = Path(run_dir) / f"checkpoints.abandoned-after-step-{step}"
     aside, n = base, 1
     while aside.exists():
@@ -317,7 +323,7 @@ def set_aside_later(run_dir: Path, step: int) -> Path | None:
     aside.mkdir()
     for p in later:
         p.rename(aside / p.name)
-    return aside
+    return aside, [p.name for p in cut]
 
 
 def run_dir_of(ckpt: Path) -> Path:

@@ -274,11 +274,11 @@ def resume(cfg: Config, out: Path, model, optimizer, rng, controllers: dict, log
             torn = checkpoint.truncate_log(out / name, state.step)
             if torn:
                 log(f"resume: dropped {torn} torn line(s) of {name} (a write cut short)")
-        aside = checkpoint.set_aside_later(out, state.step)
-        if aside:                                    # whole later checkpoints, or only a save cut short
-            whole = [p for p in aside.iterdir() if p.suffix != ".tmp" and (p / checkpoint.STATE_FILE).is_file()]
-            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}"
-                if whole else f"resume: a checkpoint whose save was cut short moved to {aside.name}")
+        aside, cut = checkpoint.set_aside_later(out, state.step)
+        if cut:
+            log(f"resume: removed {', '.join(cut)}, a checkpoint whose save was cut short")
+        if aside:
+            log(f"resume: the checkpoints after step {state.step} belong to the abandoned history; moved to {aside.name}")
     log(f"resumed from {used} at step {state.step}")
     return state
 
