@@ -179,6 +179,24 @@ def clear_run(run_dir: Path, names) -> None:
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
+@contextlib.contextmanager
+def sigterm_stops_at_once():
+    """While a run is set up (the model loaded, warmed up, evaluated at step 0), SIGTERM stops at
+    once as Ctrl-C does (a KeyboardInterrupt: train.py's stopped_at_once says what it left). Its
+    default killed the process without a word, leaving a folder no command would continue."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 class Interrupts:
     """SIGINT and SIGTERM noted, not obeyed mid-step: the loop finishes its step, saves, writes the
     summary (`interrupted`), exits 128 + the signal. A second one stops at once. Main thread only."""

@@ -1000,3 +1000,30 @@ def test_a_checkpoint_cut_short_is_not_called_the_abandoned_history(tmp_path, ca
     err = capsys.readouterr().err
     assert "removed step-000004.tmp, a checkpoint whose save was cut short" in err, err
     assert "abandoned" not in err and not list((tmp_path / "run").glob("checkpoints.abandoned*"))
+
+
+def test_sigterm_during_the_step_0_evaluation_leaves_a_folder_the_same_command_starts_again(tmp_path, capsys):
+    """SIGTERM while the run was set up killed it without a word (its default), leaving config.json
+    and empty logs: the same command refused the folder and --resume had nothing to continue. Now
+    it stops at once as Ctrl-C does, says so in one line, and removes what it made; the same command
+    then runs."""
+    from running import session
+    real = session.held_out
+
+    def held_out(run, row):                     # the step-0 evaluation, interrupted half-way
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(run, row)
+    argv = flags(tmp_path, "run")
+    cfg = config.parse_config(argv)
+    session.held_out = held_out
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            train.train(cfg)
+    finally:
+        session.held_out = real
+    assert session.stopped_at_once(cfg, str(e.value)) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "train.py: stopped (SIGTERM) before its first step; nothing was trained and its files are removed, "
+        "run the command again to start")
+    assert not (tmp_path / "run").exists()
+    assert train.train(config.parse_config(argv))["steps"] == 4
