@@ -382,17 +382,23 @@ def main(argv=None):
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 
+def progress(done: int, total: int, seconds: float) -> str:
+    """'3/8 settings, 4.5 min so far, about 7.5 min left': the time left at the pace so far."""
+    left = seconds / done * (total - done)
+    return f"{done}/{total} settings, {seconds / 60:.1f} min so far, about {left / 60:.1f} min left"
+
+
 def run_settings(settings: list, common: str, seeds: int | range, out: Path, metrics=("eval_best_rate",),
                  columns=(), title: str = "", log=print, overwrite: bool = False, launch: Launch = Launch()) -> dict:
     """Run every setting over seeds into out/runs/<setting>/s<seed>/ (overwrite: replacing the
     runs there); write out/table.md, out/summaries.json and out/compare.png; return
     {setting: [summary per seed]}."""
-    results = {}
-    for s in settings:
+    results, started = {}, time.time()
+    for i, s in enumerate(settings, 1):
         name = " ".join(shlex.split(s))
         results[name] = run_setting(shlex.split(common) + shlex.split(s), seeds, out / "runs" / slug(s),
                                     overwrite, launch)
-        log(f"finished {name}")
+        log(f"finished {name} ({progress(i, len(settings), time.time() - started)})")
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(results, columns) + "\n")
     (out / "summaries.json").write_text(json.dumps(results, indent=1))

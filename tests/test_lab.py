@@ -13,6 +13,7 @@ import torch
 import shared_prefix
 from tools import bench
 from tools import decode_floor
+from lab import compare
 from lab import main as lab
 from lab import stats
 
@@ -664,3 +665,9 @@ def test_the_terminal_says_the_verdict_summary_md_records(name):
     assert recorded.startswith(said + ". ("), (said, recorded[:200])
     if name == "dynamic_sampling":
         assert said.startswith("inconclusive")
+
+
+def test_the_labs_progress_line_says_the_time_left_at_the_pace_so_far():
+    """After 3 of 8 settings in 270 s, 5 more at 90 s each: 7.5 minutes left."""
+    assert compare.progress(3, 8, 270.0) == "3/8 settings, 4.5 min so far, about 7.5 min left"
+    assert compare.progress(8, 8, 600.0).endswith("about 0.0 min left")
