@@ -11,10 +11,8 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
         norm="group"   GRPO            A = (r - mean_g) / std_g
         norm="drgrpo"  Dr. GRPO        A = r - mean_g
         norm="global"  batch z-score   A = (r - mean_N) / std_N          each sequence weighs 1
-        norm="reinforce++"  (verl, OpenRLHF)
-                                       A = (r - mean_T) / std_T          over the batch's tokens
-                                       every token carries its sequence's reward and is whitened
-                                       over all tokens, so a sequence weighs by its length
+        norm="reinforce++"  (verl, OpenRLHF)   A = (r - mean_T) / std_T     over the batch's tokens:
+                                       a sequence weighs by its length
         norm="batch"   TRL scale_rewards="batch" (Lite PPO)
                                        A = (r - mean_g) / std_N          std of the raw rewards
         norm="reinforce++-baseline"    (verl, OpenRLHF)
@@ -29,9 +27,8 @@ per prompt, grouped contiguously (prompt i owns positions i*K ... i*K+K-1).
     frac_pm1(advantages)                     share of advantages that are exactly +-1
 
 Under torchrun each process holds whole groups of K, so the group estimators need nothing
-from the others; global, reinforce++, batch and reinforce++-baseline sum over processes (`all_sum`) for
-the batch's mean and std (batch_mean_std), as whiten does for PPO. In one process those sums
-are the identity.
+from the others; the batch estimators sum over processes (`all_sum`) for the batch's mean and
+std (batch_mean_std), as whiten does for PPO; in one process those sums are the identity.
 
 The lesson of report 001 (docs/reports.md). With K=2 and group normalisation,
 a group [r1, r2] has mean (r1+r2)/2 and population std |r1-r2|/2, so
@@ -58,8 +55,6 @@ import torch.distributed as dist
 
 NORMS = ("group", "drgrpo", "global", "reinforce++", "batch", "reinforce++-baseline", "rloo", "maxrl", "none")
 GROUP_NORMS = ("group", "drgrpo", "batch", "reinforce++-baseline", "rloo", "maxrl")  # these need K >= 2
-
-
 EPS = 1e-6          # the floor of every std we divide by: a zero-variance group gets 0, not NaN
 
 
@@ -79,21 +74,12 @@ def problems(cfg):
     """(flag, why) for each setting of these knobs train.py refuses (cfg: the whole configuration)."""
     if group_size_problem(cfg.k, cfg.norm):
         yield "k", group_size_problem(cfg.k, cfg.norm)
-    if cfg.norm == "maxrl" and negative_rewards(cfg):
-        yield "norm", (f"maxrl divides by the group's mean reward, written for rewards >= 0; {negative_rewards(cfg)} "
-                       f"can push a reward below 0")
-
-
-def negative_rewards(cfg) -> str | None:
-    """What in cfg can make a reward negative, or None: the tools task's rewards, DAPO's overlong
-    penalty (grpo.prepare adds min(0, ...)), a KL penalty taken in the reward (r - beta * KL)."""
-    if cfg.task == "tools":
-        return "the tools task's rewards"
-    if cfg.overlong_buffer:
-        return "--overlong-buffer's penalty"
-    if cfg.kl_in_reward and cfg.beta > 0:
-        return "the KL penalty in the reward (--kl-in reward with --beta > 0)"
-    return None
+    # what can make a reward negative: the tools task's, DAPO's overlong penalty, r - beta * KL
+    below_0 = [why for why, on in (("the tools task's rewards", cfg.task == "tools"),
+                                   ("--overlong-buffer's penalty", cfg.overlong_buffer),
+                                   ("the KL penalty in the reward", cfg.kl_in_reward and cfg.beta > 0)) if on]
+    if cfg.norm == "maxrl" and below_0:
+        yield "norm", f"maxrl divides by the group's mean reward, written for rewards >= 0; {below_0[0]} can go below 0"
 
 
 # ---- checks and small helpers ----
@@ -124,8 +110,7 @@ def _check(rewards: torch.Tensor, k: int, norm: str) -> None:
         raise ValueError(f"non-finite reward at positions {where[:10]}; refusing to average it in")
 
 
-def _std(x: torch.Tensor, dim, unbiased: bool) -> torch.Tensor:
-    """Population std (divide by n) or Bessel-corrected std (divide by n - 1)."""
+def _std(x: torch.Tensor, dim, unbiased: bool) -> torch.Tensor:    # divide by n, or n - 1 (Bessel)
     return x.std(dim=dim, correction=1 if unbiased else 0, keepdim=True)
 
 
@@ -158,16 +143,12 @@ def compute(rewards: torch.Tensor, k: int, norm: str, unbiased: bool = False,
     norm: one of NORMS (see the module docstring for each formula).
     unbiased: Bessel's correction for every std. False (default) gives K=2 -> +-1, as in
         report 001; True matches TRL / verl / OpenRLHF and gives K=2 -> +-1/sqrt(2).
-    clip: if given, clamp advantages to [-clip, clip] (report 001's fix D uses 3, report
-        000's intent is 5; its formula `max(adv,-5) + min(adv,5)` is not a clamp: for
-        adv=1 it gives 1 + 1 = 2).
-    lengths: (N,) policy tokens per sequence, for reinforce++ and reinforce++-baseline: verl
-        and OpenRLHF whiten the advantage after spreading it over tokens, so a sequence weighs
-        by its length in the batch mean and std (None: every sequence weighs 1).
-    Under torchrun rewards is this process's whole groups; the three estimators with batch
-    statistics (global, reinforce++, batch, reinforce++-baseline) sum over every process, so their mean
-    and std are the whole batch's.
-    Returns (N,) advantages in the rewards' float dtype.
+    clip: if given, clamp advantages to [-clip, clip] (report 001's fix D uses 3; report 000's
+        `max(adv,-5) + min(adv,5)` is not a clamp: adv=1 gives 2).
+    lengths: (N,) policy tokens per sequence, for reinforce++ and reinforce++-baseline, which
+        weigh a sequence by its length (verl, OpenRLHF); None: every sequence weighs 1.
+    Under torchrun rewards is this process's whole groups; the batch statistics sum over
+    every process (all_sum). Returns (N,) advantages in the rewards' float dtype.
     """
     _check(rewards, k, norm)
     if clip is not None and not clip > 0:
@@ -189,9 +170,8 @@ def compute(rewards: torch.Tensor, k: int, norm: str, unbiased: bool = False,
         mean, std = batch_mean_std(r, torch.ones_like(r), unbiased)
         a = _safe_div(r - mean, std, EPS)                                       # (N,)
     elif norm == "reinforce++":
-        # A_i = (r_i - mean_T) / std_T,  mean_T = sum_i L_i r_i / sum_i L_i     (REINFORCE++, verl's
-        #     and OpenRLHF's: each of sequence i's L_i tokens carries r_i, whitened over the batch's
-        #     tokens; Bessel-corrected as verl's masked_whiten, whatever `unbiased` says)
+        # A_i = (r_i - mean_T) / std_T, mean_T = sum_i L_i r_i / sum_i L_i   (verl's, OpenRLHF's: each of
+        #     sequence i's L_i tokens carries r_i; Bessel-corrected as masked_whiten, whatever `unbiased` says)
         w = torch.ones_like(r) if lengths is None else lengths.to(torch.float64)  # (N,)
         mean, std = batch_mean_std(r, w, True)
         a = _safe_div(r - mean, std, EPS)                                       # (N,)
@@ -275,10 +255,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
     m = mask.to(x.dtype)
     # mean = sum(x * m) / sum(m);  var = sum((x - mean)^2 * m) / sum(m)
     mean, std = batch_mean_std(x.flatten(), m.flatten(), False)
-    var = std ** 2
-    out = (x - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
+    out = (x - mean) * torch.rsqrt(std ** 2 + eps) + (0 if shift_mean else mean)
     return out * m
 
 
@@ -305,13 +282,11 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over every process (a new tensor on x's device); x itself in one process."""
+def all_sum(x: torch.Tensor) -> torch.Tensor:      # x summed over every process; x itself in one
     return all_reduce(x, dist.ReduceOp.SUM)
 
 
-def all_max(x: torch.Tensor) -> torch.Tensor:
-    """x's elementwise maximum over every process; x itself in one process."""
+def all_max(x: torch.Tensor) -> torch.Tensor:      # x's elementwise maximum over every process
     return all_reduce(x, dist.ReduceOp.MAX)
 
 

@@ -3,14 +3,10 @@
     python -m lab.compare --seeds 6 --common "--steps 100" \\
         "--k 8 --batch 8 --norm global" "--k 2 --batch 3 --norm group"
 
-Each quoted setting is a train.py command line (added to --common). Every setting runs for
-seeds 0 .. S-1 into OUT/runs/<setting>/s<seed>/, all from the same cached warm start. It prints
-a Markdown table of the final held-out rates (mean ± std over seeds, [min-max]), how many
-runs ended off-format (held-out valid rate < 0.5), the crash-after-update rate and its
-floor (what a frozen policy would score at the same on-format rates: monitor.py), and
-draws OUT/compare.png: held-out best rate per step, each setting's mean over seeds and its
-spread (min to max) overlaid on one panel.
-RL is noisy: one seed proves nothing, so this is how the README's numbers are made.
+Each quoted setting is a train.py command line (added to --common), run for seeds 0 .. S-1 into
+OUT/runs/<setting>/s<seed>/ from one cached warm start: a table of the final held-out rates (mean
+± std, [min-max]), the runs ended off-format, the crash rate beside its frozen-policy floor
+(monitor.py), and OUT/compare.png (held-out best per step, mean and spread). One seed proves nothing.
 
     python -m lab.compare --seeds 3 --nproc 2 --out runs/ddp2 "--k 8 --norm global"   # each run under torchrun
 
@@ -18,10 +14,9 @@ Every checkpoint against the baseline (report 003's last fix):
 
     python -m lab.compare checkpoints runs/rce runs/grpo_after_rce --samples 16
 
-evaluates the warm start and every checkpoint of the runs on the same held-out prompts, with
-a fresh seed (not the one the runs' own evaluations and early stopping used), broken down by
-the task's group (problem type for the DSL task, as report 003 broke accuracy down by
-shots): OUT/table.md, OUT/checkpoints.json and OUT/checkpoints.png.
+evaluates the warm start and every checkpoint on the same held-out prompts with a fresh seed,
+by the task's group (problem type, as report 003 broke accuracy down by shots): OUT/table.md,
+checkpoints.json and checkpoints.png.
 """
 import argparse
 import contextlib
@@ -382,10 +377,8 @@ def main(argv=None):
     print(f"\nwrote {args.out}/table.md and {args.out}/compare.png")
 
 
-def progress(done: int, total: int, seconds: float) -> str:
-    """'3/8 settings, 4.5 min so far, about 7.5 min left': the time left at the pace so far."""
-    left = seconds / done * (total - done)
-    return f"{done}/{total} settings, {seconds / 60:.1f} min so far, about {left / 60:.1f} min left"
+def progress(done: int, total: int, seconds: float) -> str:      # the time left at the pace so far
+    return f"{done}/{total} settings, {seconds / 60:.1f} min so far, about {seconds / done * (total - done) / 60:.1f} min left"
 
 
 def run_settings(settings: list, common: str, seeds: int | range, out: Path, metrics=("eval_best_rate",),

@@ -1,8 +1,7 @@
 """The lab: every comparison of the four reports, rerun over seeds, with its figure and verdict.
 
-    python -m lab                        # all of them, 6 seeds per setting (20 for the collapse
-                                         # experiments; docs/lab-notebook.md: its time), then the detector
-                                         # bench over their kept runs and rollback against none
+    python -m lab                        # all of them, 6 seeds a setting (20 for the collapse ones), then
+                                         # the detector bench over their kept runs
     python -m lab group_norm tools       # some of them
     python -m lab --quick                # all of them, 2 seeds, a few steps, into runs/lab-quick (CI)
     python -m lab --list                 # the experiments and the report each comes from
@@ -10,10 +9,9 @@
                                          # runs/lab/smollm2-135m; stop it and run it again to continue
     python -m lab --out results NAME     # a maintainer's refresh of the committed results/
 
-Each experiment writes OUT/NAME/ (its runs' metrics.jsonl under runs/, table.md, figures) and
-returns the report's claim, what we measured, and a verdict computed from the numbers by a rule
-stated in the code below (never tuned to agree); OUT/SUMMARY.md collects them all. OUT is
-runs/lab (runs/lab/MODEL with --model) unless --out says otherwise: your runs are yours, and the
+Each experiment writes OUT/NAME/ (its runs under runs/, table.md, figures) and returns the claim,
+what we measured, and a verdict by a rule stated in its code (never tuned to agree); OUT/SUMMARY.md
+collects them. OUT is runs/lab (runs/lab/MODEL with --model) unless --out says otherwise: the
 committed results/ change only when asked.
 """
 import argparse
@@ -58,8 +56,7 @@ NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate
 
 
 def said_verdict(out: Path, name: str, entry: dict) -> str:
-    """The verdict as SUMMARY.md records it (stats.tested_verdict over the tests made after the
-    runs): the terminal says what the file says, never a rule's bare letter where its test did not decide."""
+    """The verdict as SUMMARY.md records it: the terminal says what the file says (tested_verdict)."""
     tested = stats.after_the_fact(out, name) if not entry.get("quick") else []
     return stats.tested_verdict(entry["verdict"], tested, name)
 
@@ -175,13 +172,10 @@ def real_lab(args, out: Path) -> None:
 
 
 def record(out: Path, name: str, entry: dict, order=None) -> None:
-    """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md. Entries of
-    experiments not run now stay as they were (a partial or interrupted lab updates only its
-    own). Under a lock, re-reading the file first: two labs writing into one folder at once
-    merge their entries, where one used to lose the other's. Each file is written beside and
-    renamed, so it is whole or absent. An entry that measured what the recorded one did (the
-    same runs summarised again: the real-model lab's kept runs) keeps its date and seconds; a
-    retired experiment's (real_monitor: the detector bench asks its question) stays, last."""
+    """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md, other entries kept;
+    under a lock, re-read first (two labs in one folder merge), each file written beside and
+    renamed. An entry that measured what the recorded one did keeps its date and seconds; a
+    retired experiment's (real_monitor) stays, last."""
     with open(out / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = read_summary(out)

@@ -1,44 +1,21 @@
 """Report 001's mechanism put to an exact test: one update, no sampling (python -m lab probe_001).
 
-The report's reading (docs/reports.md): K=2 group norm gives exactly +1 and -1, so a valid but
-not best workflow is pushed down as hard as junk would be, and the fallback text (`### Step 1
-...`), never beside a different reward in its group, is never pushed against: after 37 of 38
-updates the outputs jumped to it, and a 10x smaller lr did not help. Its prediction is that one
-K=2 update raises the chance of an off-format answer, and that a 10x smaller lr does not shrink
-the rise. To first order, a change is proportional to lr.
+The report's reading: K=2 group norm gives exactly +1 and -1, so a valid but not best workflow
+is pushed down as hard as junk, and the fallback text, never beside a different reward in its
+group, gains: one K=2 update raises the chance of an off-format answer, and a 10x smaller lr
+does not shrink the rise (to first order a change is proportional to lr).
 
-The probe starts from one warm start's weights and one optimizer state. It applies one GRPO
-update built from a fixed batch, and measures before and after on the 32 held-out prompts,
-exactly, with no sampling:
-
-    P(off)     the probability that a completion opens off-format: p(first token = the fallback's)
-    log p(y)   of the fallback text, the prompt's best workflow and a valid non-best one
-
-Conditions, all on the same three training prompts of a batch:
-
-    null       the report's step-4 completions, every advantage 0: the step the optimizer takes anyway
-    k2_group   groups [best, best], [best, valid], [valid, valid] at K=2, group norm: 0, +-1, 0
-    k2_drgrpo  the same completions, Dr. GRPO: 0, +-0.4, 0
-    k8_group   each prompt 8 completions, 3 best and 5 valid, group norm: +1.29 / -0.77
-
-For k8_group, the share of best among valid outputs is the warm start's (35%). At the report's
-50% it would give +-1 again, and under token-mean the very same update as k2_group.
-
-Two optimizer states:
-- A fresh AdamW. Its first step is about lr * sign(g), so it erases the difference between +-1
-  and +-0.4.
-- AdamW after 5 real steps of the report's setting (K=2, B=3, group norm, lr 1e-3).
-
-Two warm starts:
-- The course's, with the fallback drawn per sample (42.8%).
-- One whose fallback is tied to the prompt: 42.8% of the training prompts are always answered
-  with it. The report's 38 updates in 96 steps imply this.
-
-Every condition sees the same BATCHES batches (paired). Their prompts are training prompts that
-the warm start answers with workflows (for the prompt-tied start, those not tied to the
-fallback). The update is the trainer's otherwise: token-mean, the gradient clipped at norm 1,
-no KL (at a first update from the reference, its gradient is 0). The test is the lab's sign
-flip (lab/stats.py).
+From one warm start and one AdamW state (fresh, or after WARMING_STEPS real steps of the
+report's setting), one GRPO update from a fixed batch of three training prompts, measured
+before and after on the 32 held-out prompts, exactly: P(off), the probability that a
+completion opens with the fallback's first token, and log p of the fallback text, the prompt's
+best workflow and a valid non-best one. Conditions (CONDITIONS): null (every advantage 0: the
+step the optimizer takes anyway), k2_group (the report's step 4: [best, best], [best, valid],
+[valid, valid]: 0, +-1, 0), k2_drgrpo (0, +-0.4, 0), k8_group (3 best and 5 valid a prompt).
+Two warm starts: the course's (the fallback drawn per sample) and one whose fallback is tied
+to 42.8% of the prompts (tied_task). Every condition sees the same BATCHES batches (paired);
+the update is the trainer's (token-mean, gradient clipped at 1, no KL); the test is the lab's
+sign flip. Why each choice, and the results: docs/lessons/2-k2-in-a-real-run.md.
 """
 import copy
 import json
@@ -63,10 +40,7 @@ LRS, QUICK_LRS = (2e-6, 2e-5, 2e-4, 2e-3), (2e-4, 2e-3)
 WARMING_STEPS, WARMING_LR = 5, 1e-3
 REAL_LRS, REAL_WARMING_LR = (2e-6, 2e-5, 2e-4), 2e-5      # --model: its training lr, a decade either side
 CONDITIONS = ("null", "k2_group", "k2_drgrpo", "k8_group")
-# A warm start built again on another CPU sums in another order: its P(off) moves by ~1e-6
-# (SmolLM2's per-sample start: 0.380899 on one Xeon, 0.380900 on another), and its cells continue
-# the kept ones. A warm start of other settings or code differs by far more.
-SAME_START = 1e-5
+SAME_START = 1e-5   # P(off) of one warm start rebuilt on another CPU (0.380899, 0.380900): the same
 MEASURES = ("p_off", "lp_fallback", "lp_best", "lp_valid")
 
 

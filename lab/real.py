@@ -6,17 +6,11 @@ the powered experiments (POWERED: K=8 against K=2, adaptive entropy, LoRA, --rol
     python -m lab --model smollm2-135m real_group_size  # one of them
     python -m lab --model smollm2-135m --out results/smollm2-135m NAME   # the committed runs, continued
 
-The toy lab (the other experiments) runs every comparison on a 130k-parameter model; this one
-runs the central ones on a pretrained LLM, sized for a 2-core CPU: fewer steps, 8 held-out
-prompts x 2 samples per evaluation, --fast, lr 2e-5 (train.py's default for a real model).
-
-Every (experiment, setting, seed) run is kept when it finishes (its folder under
-OUT/NAME/runs/; results/smollm2-135m/NAME/runs/ are the committed ones) and skipped when the lab runs again with the same
-flags: the lab can be stopped at any moment (Ctrl-C, kill -9, the end of a session) and loses
-at most the run in progress, which starts again from its beginning. Before it starts, the lab
-prints how many runs are left and its estimate of their time (`estimate`).
-
-Each verdict's rule is written next to it, before the first run, and not changed after.
+Sized for a 2-core CPU: fewer steps, 8 held-out prompts x 2 samples per evaluation, --fast, lr
+2e-5. Every (experiment, setting, seed) run is kept when it finishes (OUT/NAME/runs/) and skipped
+when the lab runs again with the same flags, so the lab can be stopped at any moment and loses at
+most the run in progress; it first prints the runs left and its estimate of their time. Each
+verdict's rule is written next to it, before the first run, and not changed after.
 """
 import dataclasses
 import json
@@ -449,9 +443,8 @@ def rolled_back(lab: RealLab, base: tuple, arm: tuple, log) -> dict:
 
 
 def undecidable(ended: int, n: int, m: int, letter: str) -> str:
-    """The rule's letter, unless the baseline's count left the test no outcome to decide with: if
-    even none of the arm's m runs ending on one answer gives p >= alpha against ended of n, no
-    result could have reproduced the claim, so none can say it was not; the letter stays beside."""
+    """The rule's letter, unless even 0 of the arm's m runs on one answer, against ended of n, gives
+    p >= alpha: then no result could have decided the claim either way (the letter kept beside)."""
     best = stats.fisher(ended, n, 0, m)
     if best < stats.ALPHA:
         return letter

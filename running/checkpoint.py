@@ -179,35 +179,19 @@ def clear_run(run_dir: Path, names) -> None:
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 
 
-@contextlib.contextmanager
-def sigterm_stops_at_once():
-    """While a run is set up (the model loaded, warmed up, evaluated at step 0), SIGTERM stops at
-    once as Ctrl-C does (a KeyboardInterrupt: train.py's stopped_at_once says what it left). Its
-    default killed the process without a word, leaving a folder no command would continue."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-    before = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
 class Interrupts:
     """SIGINT and SIGTERM noted, not obeyed mid-step: the loop finishes its step, saves, writes the
-    summary (`interrupted`), exits 128 + the signal. A second one stops at once. Main thread only."""
+    summary (`interrupted`), exits 128 + the signal. A second one stops at once, and so does the
+    first while a run is set up (at_once: SIGTERM's default killed it without a word). Main thread only."""
 
-    def __init__(self, log=print):
-        self.signal, self.log, main = None, log, threading.current_thread() is threading.main_thread()
+    def __init__(self, log=print, at_once: bool = False):
+        self.signal, self.log, self.at_once = None, log, at_once
+        main = threading.current_thread() is threading.main_thread()
         self.saved = {sig: signal.signal(sig, self._handle) for sig in SIGNALS.values()} if main else {}
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.signal:                                     # the second one: stop now
+        if self.signal or self.at_once:                     # the second one, or one during set-up: stop now
             raise KeyboardInterrupt(name)
         self.signal = name
         self.log(f"{name}: finishing this step, then saving a checkpoint and stopping "

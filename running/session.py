@@ -115,11 +115,11 @@ def open(cfg: Config, build: Callable):
         out.mkdir(parents=True, exist_ok=True)
     try:                                    # under torchrun, rank 0 holds the folder's lock
         with checkpoint.run_lock(out) if main else contextlib.nullcontext():
-            with checkpoint.sigterm_stops_at_once():
-                run = start(cfg, out, build)
             # the handlers stay through the writing after the loop: a signal in the run's last
             # second is noted and the summary and curves.png are finished
-            with checkpoint.Interrupts(run.log) as run.interrupts:
+            with checkpoint.Interrupts(at_once=True) as run_signals:
+                run = start(cfg, out, build)
+                run.interrupts, run_signals.at_once, run_signals.log = run_signals, False, run.log
                 if run.learner.dynamic:     # a signal ends dynamic sampling's rounds within one round
                     run.learner.dynamic.stop = lambda: run.interrupts.signal is not None
                 try:
@@ -525,35 +525,22 @@ def lost_rank_message(run: Run, error: RuntimeError) -> str:
             f"{run.state.step}; {how}")
 
 
-def first_step_not_done(out: Path) -> bool:
-    """Whether metrics.jsonl holds no step past 0 (the step-0 evaluation at most, perhaps cut short)."""
-    try:
-        return checkpoint.last_step(out / "metrics.jsonl") < 1
-    except ValueError:                               # a line the stop cut short
-        return True
-
-
 def stopped_at_once(cfg: Config, signal_name: str) -> int:
     """Say in one line what a stop outside the loop left; return 128 + the signal. Before
     training, the folder this command made is removed, so the same command starts afresh."""
-    out = Path(cfg.out)
-    if config.holds_run(out) and not cfg.resume and not checkpoint.find(out) and first_step_not_done(out):
-        for name in (*config.RUN_FILES, ".lock", checkpoint.RESERVE):   # all this command's: nothing trained yet
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        print(f"train.py: stopped ({signal_name}) before its first step; nothing was trained and its files are "
-              f"removed, run the command again to start", file=sys.stderr)
-    elif config.holds_run(out):
+    out, log = Path(cfg.out), Path(cfg.out) / "metrics.jsonl"
+    untrained = not cfg.resume and not checkpoint.find(out) and (not log.exists() or len(log.read_text().splitlines()) < 2)
+    if config.holds_run(out) and not untrained:
         where = f"--resume {out} continues from its newest checkpoint" if checkpoint.find(out) else \
             "it had no checkpoint yet: run the command again with --overwrite"
         print(f"train.py: stopped at once ({signal_name}); {where}", file=sys.stderr)
-    else:
-        for leftover in (".lock", checkpoint.RESERVE):
-            (out / leftover).unlink(missing_ok=True)
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        print(f"train.py: stopped ({signal_name}) before training began; nothing was written, run the "
-              f"command again to start", file=sys.stderr)
+        return 128 + checkpoint.SIGNALS.get(signal_name, 2)
+    made = config.holds_run(out)                # files of this command's, nothing trained (step 0 at most)
+    for path in (out / name for name in (*config.RUN_FILES, ".lock", checkpoint.RESERVE)):
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    said = "before its first step; nothing was trained and its files are removed" if made else \
+        "before training began; nothing was written"
+    print(f"train.py: stopped ({signal_name}) {said}, run the command again to start", file=sys.stderr)
     return 128 + checkpoint.SIGNALS.get(signal_name, 2)
