@@ -351,8 +351,8 @@ def test_maxrl_is_refused_wherever_a_reward_can_go_below_zero(tmp_path, capsys, 
     --beta 0, are not."""
     from conftest import assert_refused_in_one_line, configure
     assert_refused_in_one_line(tmp_path, capsys, [*argv, "--norm", "maxrl"], "--norm: maxrl divides by the group's mean reward")
-    configure([*argv, "--norm", "drgrpo"])
-    configure(["--kl-in", "reward", "--beta", "0", "--norm", "maxrl"])
+    configure([*argv, "--norm", "drgrpo", "--out", str(tmp_path / "a")])
+    configure(["--kl-in", "reward", "--beta", "0", "--norm", "maxrl", "--out", str(tmp_path / "b")])
 
 
 def test_maxrl_explodes_on_a_group_whose_rewards_straddle_zero():

@@ -147,7 +147,7 @@ def test_a_lora_run_resumed_equals_one_that_was_not_interrupted(tmp_path):
         assert [r[key] for r in cut] == pytest.approx([r[key] for r in whole], rel=1e-5), key
 
 
-def test_a_model_without_linear_layers_is_refused_in_one_line():
+def test_a_model_without_linear_layers_is_refused_in_one_line(tmp_path):
     """GPT-2's layers are Conv1D, not nn.Linear: --lora-rank would freeze every weight and train
     nothing (AdamW: "an empty parameter list"). train.py names the cause instead."""
     import train
@@ -156,7 +156,7 @@ def test_a_model_without_linear_layers_is_refused_in_one_line():
     from transformers import GPT2Config, GPT2LMHeadModel
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2))
     with pytest.raises(pretrained.ModelError, match="no nn.Linear layer to adapt"):
-        train.reference_and_optimizer(config.parse_config(["--lora-rank", "1"]), gpt2, None)
+        train.reference_and_optimizer(config.parse_config(["--lora-rank", "1", "--out", str(tmp_path / "run")]), gpt2, None)
     assert not lora.adapters(tiny_model()) and lora.add_adapters(tiny_model(), 1, 32) == 7
 
 
