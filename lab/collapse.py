@@ -82,7 +82,7 @@ def collapse_rate(lab: Lab) -> dict:
                 claim="train.py's defaults learn the task on every seed (GRPO --k 8 --norm global: held-out best "
                       "~0.99; PPO 'reliable at its defaults'; both from seeds 0-5)",
                 measured=f"collapsed (one answer for >= 90% of held-out samples, or valid >= 0.9 with best <= 0.6) "
-                         f"over {len(grpo_runs)} seeds from {SEEDS.start}: GRPO {rate(grpo_runs)} ({which(grpo_runs)}), "
+                         f"over {len(grpo_runs)} seeds from {lab.block(SEEDS).start}: GRPO {rate(grpo_runs)} ({which(grpo_runs)}), "
                          f"PPO {rate(ppo_runs)} ({which(ppo_runs)}); ending below 0.9 held-out best: GRPO "
                          f"{below(grpo_runs)}/{len(grpo_runs)}, PPO {below(ppo_runs)}/{len(ppo_runs)}; "
                          f"held-out best at the end: GRPO "
@@ -175,7 +175,7 @@ def fixes_entry(lab: Lab, name: str, runs: dict, base: str, least: int, fewer: i
     base_runs = runs["baseline (defaults)"]
     first = json.loads((Path(base_runs[0]["out"]) / "config.json").read_text())
     compare.figure(runs, lab.dir(name) / "compare.png",
-                   f"{name}: {len(base_runs)} seeds from {SEEDS.start}, {base} + one fix each; {report.made_by(first)}",
+                   f"{name}: {len(base_runs)} seeds from {lab.block(SEEDS).start}, {base} + one fix each; {report.made_by(first)}",
                    ("entropy", "eval_best_rate", "eval_one_answer"))
     h = {n: mean(end_entropy(x) for x in rs) for n, rs in runs.items()}
     best = {n: mean(x["eval_best_rate_end"] for x in rs) for n, rs in runs.items()}

@@ -2,6 +2,7 @@
 for a real model, and a few means."""
 import gzip
 import json
+import platform
 import re
 import statistics
 from pathlib import Path
@@ -24,6 +25,7 @@ SEEDS, QUICK_SEEDS = 6, 2
 # model's step is far slower on a CPU (`python -m tools.bench --model smollm2-135m`, figures in
 # docs/performance.md), so a third of the steps. Our choices, not tuned to any outcome.
 REAL_LR_SCALE, REAL_STEPS_DIVISOR = 0.01, 3
+BLOCK = 1000          # a second block of seeds (python -m lab --block 2) runs seed s as s + 1000: no experiment uses >= 1000
 COLLAPSED = 0.9       # the real-model lab's collapse: eval_one_answer at or above this, one answer for (nearly) every prompt
 
 
@@ -31,9 +33,10 @@ class Lab:
     """Where an experiment writes, and how big it runs (--quick shrinks every run; --model
     scales them for a real model; --jobs runs seeds side by side in worker processes)."""
 
-    def __init__(self, root: Path, quick: bool, model: str = "", jobs: int = 1):
+    def __init__(self, root: Path, quick: bool, model: str = "", jobs: int = 1, block: int = 1):
         self.root, self.quick, self.model, self.jobs = root, quick, model, jobs
         self.seeds = QUICK_SEEDS if quick else SEEDS
+        self.offset = BLOCK * (block - 1)   # --block 2: every seed + 1000, a draw the first block never made
         self.most_seeds = 0             # the most seeds one setting of the experiment in progress ran
                                         # (its entry's stamp: calibration runs on other seeds add none)
 
@@ -57,10 +60,15 @@ class Lab:
                       lambda m: f"--{m.group(1)} {max(4 if m.group(1) == 'steps' else 1, int(m.group(2)) // 15)}",
                       flags)
 
+    def block(self, seeds: range) -> range:
+        """The seeds as this block runs them (the first block's + self.offset)."""
+        return range(seeds.start + self.offset, seeds.stop + self.offset)
+
     def sweep(self, name: str, settings: list, common: str, metrics=("eval_best_rate",), columns=(),
               seeds: range | None = None):
-        """Every setting over seeds (default: self.seeds from 0; --quick: the first 2 of the range)."""
-        seeds = range(self.seeds) if seeds is None else seeds[:QUICK_SEEDS] if self.quick else seeds
+        """Every setting over seeds (default: self.seeds from 0; --quick: the first 2 of the range),
+        each shifted into this block (self.block)."""
+        seeds = self.block(range(self.seeds) if seeds is None else seeds[:QUICK_SEEDS] if self.quick else seeds)
         self.most_seeds = max(self.most_seeds, len(seeds))
         common = self.shrink(common) + (" --eval-every 5 --eval-samples 1" if self.quick else "") \
             + (f" --model {self.model}" if self.model else "")
@@ -82,6 +90,14 @@ def keep(run: Path) -> None:
     every number of an entry can be recomputed from it. Byte for byte the same for the same
     file (no timestamp in the gzip header)."""
     (run / "metrics.jsonl.gz").write_bytes(gzip.compress((run / "metrics.jsonl").read_bytes(), mtime=0))
+
+
+def cpu() -> str:
+    """This machine's CPU as the lab records it beside a block's verdicts: another CPU sums in another
+    order, so a seed is another draw there."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = re.search(r"model name\s*:\s*(.+)", info)
+    return (name.group(1) if name else platform.processor() or platform.machine()) + " with AVX-512" * (" avx512f" in info)
 
 
 def mean(xs) -> float:

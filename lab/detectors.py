@@ -374,7 +374,7 @@ def against_none(lab: Lab, name: str, common: str, setting: str) -> tuple:
     best = [x["eval_best_rate_end"] for x in back], [x["eval_best_rate_end"] for x in none]
     taken = [len(x.get("rollbacks", [])) for x in back]
     seen = stats.smallest_count(len(back), len(none))
-    measured = (f"{setting}, seeds {collapse.SEEDS.start}-{collapse.SEEDS.stop - 1}: failed without "
+    measured = (f"{setting}, seeds {lab.block(collapse.SEEDS).start}-{lab.block(collapse.SEEDS).stop - 1}: failed without "
                 f"{n_none}/{len(none)}, with --rollback 3 {n_back}/{len(back)} (Fisher one-sided p = {p:.2g}; "
                 f"against all failing, {len(back)} seeds see {seen}/{len(back)} kept off failure or more); "
                 f"held-out best at the end {compare.spread(best[1])} without, {compare.spread(best[0])} with "

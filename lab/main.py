@@ -8,6 +8,7 @@
     python -m lab --model smollm2-135m   # the central claims on a real model (lab/real.py), into
                                          # runs/lab/smollm2-135m; stop it and run it again to continue
     python -m lab --out results NAME     # a maintainer's refresh of the committed results/
+    python -m lab --block 2 NAME         # NAME again on seeds + 1000, into OUT/block2: does its verdict replicate?
 
 Each experiment writes OUT/NAME/ (its runs under runs/, table.md, figures) and returns the claim,
 what we measured, and a verdict by a rule stated in its code (never tuned to agree); OUT/SUMMARY.md
@@ -21,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import transformers
 
 from running import config
 from models import pretrained
-from lab.common import Lab
+from lab.common import BLOCK, Lab, cpu
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
@@ -72,11 +74,15 @@ def summary_md(results: dict, root: Path | None = None) -> str:
     for name, r in results.items():
         fig = f"\n\n![{name}]({r['figure']})" if r.get("figure") else ""
         seeds = f"{r['seeds']} seeds" if r.get("seeds") else "no runs of its own"
-        when = f"{r.get('date', '?')}, {seeds}" + \
+        when = f"{r.get('date', '?')}, {seeds}" + (f", {r['cpu']}" if r.get("cpu") else "") + \
             (", QUICK: a smoke test, not a result" if r.get("quick") else "")
         source = f"report {r['report']}" if re.match(r"\d{3}\b", r["report"]) else r["report"]   # or the papers
         rule = r.get("rule") or {}
-        ruled = (f"\n- **Rule** (registered {rule.get('registered') or 'with no runs'}, sha256 {rule['sha256']}): "
+        code = rule.get("code_sha256")
+        code = (f"; the deciding code's sha256 {code}, run from {rule.get('commit')}" +
+                (f", changed since its registration's {rule['code_registered']}" if rule.get("code_registered")
+                 not in (None, code) else "")) if code else ""
+        ruled = (f"\n- **Rule** (registered {rule.get('registered') or 'with no runs'}, sha256 {rule['sha256']}{code}): "
                  f"{rule['text']}" if rule.get("sha256") else "")
         changed = rule.get("changed")
         if changed:
@@ -90,8 +96,21 @@ def summary_md(results: dict, root: Path | None = None) -> str:
                       f"a mean is the held-out best at the end unless named): " + "; ".join(phrase for _, _, phrase in tested))
         parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {stats.tested_verdict(r['verdict'], tested, name)}. "
-                     f"({when}; {r['seconds']:.0f} s){ruled}{fig}\n")
+                     f"({when}; {r['seconds']:.0f} s){ruled}{second_block(root, name, r)}{fig}\n")
     return "\n".join(parts)
+
+
+def second_block(root: Path | None, name: str, entry: dict) -> str:
+    """SUMMARY.md's line on the replication: the verdict the same experiment reached on seeds + 1000
+    (root/block2, `--block 2`), and whether it is the first block's; a verdict is decided only if both say it."""
+    other = read_summary(root / "block2").get(name) if root and (root / "block2" / "summary.json").exists() else None
+    if not other or entry.get("quick"):
+        return ""
+    said = [said_verdict(r, name, e) for r, e in ((root, entry), (root / "block2", other))]
+    same = [re.split(r"[:(]", v)[0].strip() for v in said]
+    return (f"\n- **Second block** (every seed + {BLOCK}; {other.get('date', '?')}, {other.get('cpu', '?')}): "
+            f"{said[1]}. " + ("Replicates: the same verdict." if same[0] == same[1] else
+                              f"Does not replicate ({same[0]} against {same[1]}): not decided."))
 
 
 def main(argv=None):
@@ -103,6 +122,8 @@ def main(argv=None):
                    help="where NAME/, summary.json and SUMMARY.md go (default: runs/lab, runs/lab/MODEL "
                         "with --model, runs/lab-quick with --quick; --out results refreshes the committed ones)")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--block", type=int, default=1, help="2: rerun on a second block of seeds (each + 1000), "
+                   "into OUT/block2, whose verdicts SUMMARY.md sets beside the first block's")
     p.add_argument("--model", default="", help="run on a real model (train.py --model, e.g. smollm2-135m), "
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
     # --jobs 1 runs every seed in this process, one after another; more jobs run seeds side by
@@ -112,6 +133,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.block < 1 or args.block > 1 and args.model:
+        p.error(f"--block must be >= 1 and is for the tiny model's lab, got {args.block}" + " with --model" * bool(args.model))
     if args.model:
         problem = pretrained.problem(args.model)
         if problem:
@@ -123,8 +146,9 @@ def main(argv=None):
     unknown = [n for n in args.names if n not in EXPERIMENTS and n not in REAL]
     if unknown:
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *REAL])}")
-    out = args.out or Path("runs/lab-quick" if args.quick else
-                           f"runs/lab/{args.model.replace('/', '_')}" if args.model else "runs/lab")
+    out = (args.out or Path("runs/lab-quick" if args.quick else
+                            f"runs/lab/{args.model.replace('/', '_')}" if args.model else "runs/lab")) \
+        / (f"block{args.block}" if args.block > 1 else "")
     if not config.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     if args.model and not args.quick and all(n in REAL for n in args.names):
@@ -136,7 +160,7 @@ def main(argv=None):
     blocked = [n for n in names if (out / n).exists() and not (out / n).is_dir()]
     if blocked:
         p.error(f"--out: {str(out / blocked[0])!r} is a file where the experiment's folder goes; move it")
-    lab = Lab(out, args.quick, args.model, args.jobs)
+    lab = Lab(out, args.quick, args.model, args.jobs, args.block)
     transformers.utils.logging.disable_progress_bar()    # loading the tiny model here (batch_size): no bars
     t_all = time.time()
     for name in names:
@@ -145,7 +169,7 @@ def main(argv=None):
         lab.most_seeds = 0
         entry = dict(EXPERIMENTS[name](lab), seconds=time.time() - t0,   # seeds: those it ran (None: no runs)
                      date=time.strftime("%Y-%m-%d"), seeds=lab.most_seeds or None, quick=args.quick,
-                     rule=rule_of(EXPERIMENTS[name]))
+                     rule=rule_of(EXPERIMENTS[name]), cpu=cpu(), block=args.block)
         mark = "QUICK, a smoke test and not a verdict: " if args.quick else ""
         record(out, name, entry)                                        # after every experiment
         print(f"{name}: {mark}{said_verdict(out, name, entry)} ({entry['seconds']:.0f} s)", flush=True)
@@ -192,7 +216,8 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
 
 def rule_of(experiment) -> dict | None:
     """An experiment's rule as its code states it: the comment blocks that open with "# rule:" or
-    "# rule (" in its function (each block runs to the first line that is not a comment), and their sha256."""
+    "# rule (" in its function (each block runs to the first line that is not a comment), and their sha256;
+    beside it the sha256 of the code that decides (deciding_code) and the commit it ran from."""
     lines, text, inside = inspect.getsource(experiment).splitlines(), [], False
     for line in lines:
         inside = bool(re.match(r"# rules?( \(|:)", line.strip())) or (inside and line.strip().startswith("#"))
@@ -200,7 +225,24 @@ def rule_of(experiment) -> dict | None:
     if not text:
         return None
     joined = " ".join(text)
-    return {"text": joined, "sha256": hashlib.sha256(joined.encode()).hexdigest()[:16]}
+    return {"text": joined, "sha256": hashlib.sha256(joined.encode()).hexdigest()[:16],
+            "code_sha256": hashlib.sha256(deciding_code(experiment).encode()).hexdigest()[:16], "commit": commit()}
+
+
+def deciding_code(experiment) -> str:
+    """The experiment's source and that of every function of the lab it calls by name, or through a lab
+    module (stats.sign_flip): one level deep."""
+    g, names = experiment.__globals__, experiment.__code__.co_names
+    spaces = [g, *(vars(m) for n in names if inspect.ismodule(m := g.get(n)) and m.__name__.startswith("lab."))]
+    called = {f for space in spaces for n in names if inspect.isfunction(f := space.get(n)) and f.__module__.startswith("lab.")}
+    return "\n".join(inspect.getsource(f) for f in [experiment, *sorted(called - {experiment}, key=lambda f: f.__qualname__)])
+
+
+def commit() -> str:
+    """The commit the lab ran from (+ "with uncommitted changes"), or "?" outside a git clone."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD")
+    return (head + " with uncommitted changes" * bool(git("status", "--porcelain", "--untracked-files=no"))) or "?"
 
 
 def registered(entry: dict, old: dict) -> dict:
@@ -213,13 +255,14 @@ def registered(entry: dict, old: dict) -> dict:
         return entry
     before = old.get("rule") if not old.get("quick") else None
     if before and before.get("sha256") == rule["sha256"]:
-        rule = dict(rule, registered=before.get("registered"), changed=before.get("changed"))
+        rule = dict(rule, registered=before.get("registered"), changed=before.get("changed"),
+                    code_registered=before.get("code_registered", before.get("code_sha256")))
     elif before:                          # a new rule over runs of an old one: the old one's verdict stays beside
         rule = dict(rule, registered=entry["date"], changed=dict(rule=before["text"], registered=before.get(
             "registered"), verdict=old.get("verdict"), measured=old.get("measured")))
     else:
         rule = dict(rule, registered=entry["date"], changed=None)
-    return dict(entry, rule=rule)
+    return dict(entry, rule=dict(rule, code_registered=rule.get("code_registered") or rule.get("code_sha256")))
 
 
 ENTRY_KEYS = ("report", "claim", "measured", "verdict", "seconds")     # what SUMMARY.md reads of an entry

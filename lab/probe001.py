@@ -126,14 +126,14 @@ def updated(model, opt_state, batch, k: int, lr: float):
     return model
 
 
-def warmed(model, tok, lr: float = WARMING_LR) -> tuple:
-    """(weights, AdamW state) after WARMING_STEPS real steps of the report's setting, at lr."""
+def warmed(model, tok, lr: float = WARMING_LR, seed: int = 0) -> tuple:
+    """(weights, AdamW state) after WARMING_STEPS real steps of the report's setting, at lr, drawn from seed."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     hp = grpo.HyperParams(k=2, norm="group", mini_batch=6, micro_batch=6)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     for step in range(WARMING_STEPS):
-        prompts = random.Random(step).sample(task.make_prompts("train"), 3)
+        prompts = random.Random(seed + step).sample(task.make_prompts("train"), 3)
         batch, _ = task.sample(rollout.Models(model, tok), prompts, 2, Sampling())
         grpo.prepare(batch, hp)
         update.update(logprobs.Scorer(model), opt, batch, hp, grpo.loss)
@@ -152,7 +152,8 @@ def probe(model, tok, plan: dict, pool: list, cells) -> dict:
     if whole:                                   # keys as deltas.json writes them: "warmed|2e-05|null"
         return {tuple(float(x) if x[0].isdigit() else x for x in k.split("|")): v for k, v in whole[0].items()}
     out, held, record = {}, held_out(tok), None
-    for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok, plan["warming_lr"]))):
+    seed = plan.get("seed", 0)                  # the second block's: 1000
+    for state, (start, opt_state) in (("fresh", (model, None)), ("warmed", warmed(model, tok, plan["warming_lr"], seed))):
         out[(state, "before")] = before = measure(start, held)
         if record is None:                          # keyed by the fresh start's P(off)
             same = [k for k in kept if k[0].isdigit() and abs(float(k) - before["p_off"]) <= SAME_START]
@@ -161,8 +162,8 @@ def probe(model, tok, plan: dict, pool: list, cells) -> dict:
         for lr in plan["lrs"]:
             for condition in CONDITIONS:
                 key = f"{state}|{lr}|{condition}"
-                if key not in record:               # the same batches in every condition (rng from 0)
-                    rng, record[key] = random.Random(0), {m: [] for m in MEASURES}
+                if key not in record:               # the same batches in every condition (rng from the seed)
+                    rng, record[key] = random.Random(seed), {m: [] for m in MEASURES}
                     for _ in range(plan["batches"]):
                         batch, k = probe_batch(start, tok, condition, rng, pool)
                         after = measure(updated(start, opt_state, batch, k, lr), held)
@@ -202,7 +203,8 @@ def probe_001(lab) -> dict:
     # not reproduced if it raises P(off) at no lr.
     from lab import figures
     batches, lrs = (QUICK_BATCHES, QUICK_LRS) if lab.quick else (BATCHES, REAL_LRS if lab.model else LRS)
-    plan = dict(batches=batches, lrs=lrs, warming_lr=REAL_WARMING_LR if lab.model else WARMING_LR)
+    plan = dict(batches=batches, lrs=lrs, warming_lr=REAL_WARMING_LR if lab.model else WARMING_LR,
+                seed=getattr(lab, "offset", 0))      # 0, or the second block's 1000
     starts = {"per-sample fallback": task, **({} if lab.quick else {"prompt-tied fallback": tied_task()})}
     results, rows, tests, out = {}, [], {}, lab.dir("probe_001")
     for name, t in starts.items():

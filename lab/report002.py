@@ -149,7 +149,7 @@ def grad_clip_regime(lab: Lab) -> dict:
                 measured=f"runs ended collapsed (K=8, B=8, global, 60 steps), SGD at lr {chosen['sgd'][0]:g}: "
                          f"{shares('sgd')} (none above 0.5: Fisher p = {p['sgd']:.4f}); AdamW at lr "
                          f"{chosen['adamw'][0]:g}: {shares('adamw')} (p = {p['adamw']:.4f}); the lr chosen by "
-                         f"calibration runs (seeds 100-103, unclipped, share collapsed): {calibration}",
+                         f"calibration runs (seeds {lab.block(range(100, 104)).start}-{lab.block(range(100, 104)).stop - 1}, unclipped, share collapsed): {calibration}",
                 verdict="reproduced" if len(holds) == 2 else f"partly: under {holds[0]}" if holds
                 else "not reproduced" if reached else "inconclusive")
 

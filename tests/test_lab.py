@@ -4,6 +4,7 @@ tools/decode_floor.py's bare decoding computes what a full forward computes."""
 import copy
 import gzip
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -671,3 +672,74 @@ def test_the_labs_progress_line_says_the_time_left_at_the_pace_so_far():
     """After 3 of 8 settings in 270 s, 5 more at 90 s each: 7.5 minutes left."""
     assert compare.progress(3, 8, 270.0) == "3/8 settings, 4.5 min so far, about 7.5 min left"
     assert compare.progress(8, 8, 600.0).endswith("about 0.0 min left")
+
+
+def test_a_second_block_runs_on_seeds_the_first_never_drew_and_summary_md_says_whether_it_replicates(tmp_path,
+                                                                                                       monkeypatch):
+    """--block 2 shifts every seed by 1000 (above every range the experiments use) into OUT/block2;
+    SUMMARY.md sets the second block's verdict beside the first's, said "replicates" only when the
+    two verdict words agree."""
+    from lab import common
+    assert common.Lab(tmp_path, quick=False, block=2).block(range(100, 120)) == range(1100, 1120)
+    assert common.Lab(tmp_path, quick=False).block(range(6)) == range(6)
+    used = [r for f in Path(lab.__file__).parent.glob("*.py") for r in re.findall(r"range\((\d+), (\d+)\)", f.read_text())]
+    assert used and max(int(b) for _, b in used) <= common.BLOCK
+    monkeypatch.chdir(tmp_path)
+    lab.main(["--block", "2", "k2_pm1"])
+    entry = json.loads((tmp_path / "runs" / "lab" / "block2" / "summary.json").read_text())["k2_pm1"]
+    assert entry["block"] == 2 and entry["cpu"] and not (tmp_path / "runs" / "lab" / "summary.json").exists()
+
+    def entry_(verdict):
+        return dict(report="001", claim="c", measured="m", verdict=verdict, seconds=1.0, date="d", cpu="X")
+    for second, said in (("reproduced (p = 0.01)", "Replicates: the same verdict."),
+                         ("inconclusive: p = 0.2", "Does not replicate (reproduced against inconclusive): not decided.")):
+        root = tmp_path / second.split()[0]
+        (root / "block2").mkdir(parents=True)
+        (root / "block2" / "summary.json").write_text(json.dumps({"k2_pm1": entry_(second)}))
+        text = lab.summary_md({"k2_pm1": entry_("reproduced")}, root)
+        line = next(x for x in text.splitlines() if x.startswith("- **Second block**"))
+        assert line.startswith(f"- **Second block** (every seed + 1000; d, X): {second}") and line.endswith(said), line
+
+
+def test_a_baseline_is_the_mean_of_evaluations_and_its_first_is_the_runs_own_step_0(tmp_path, monkeypatch):
+    """kl_regime's baseline: its checkpoint evaluated BASELINE_EVALS times under eval seeds 1234, 1235, ...;
+    the first of them is exactly the evaluation a run started from that checkpoint makes at step 0."""
+    from lab import report003
+    import train
+    from running import config
+    tiny = "--batch 2 --k 4 --eval-samples 2 --sft-steps 30 --hidden 16 --layers 1 --quiet".split()
+    train.train(config.parse_config(tiny + ["--steps", "2", "--save-every", "2", "--out", str(tmp_path / "base")]))
+    after = train.train(config.parse_config(tiny + ["--steps", "1", "--init-from", str(tmp_path / "base"),
+                                                    "--out", str(tmp_path / "after")]))
+    monkeypatch.setattr(report003, "BASELINE_EVALS", 1)
+    assert report003.baseline_rate(tmp_path / "base") == after["eval_best_rate_start"]
+    monkeypatch.setattr(report003, "BASELINE_EVALS", 3)
+    rates = []
+    monkeypatch.setattr(report003, "mean", lambda xs: rates.extend(xs) or statistics.fmean(rates))
+    report003.baseline_rate(tmp_path / "base")
+    assert len(rates) == 3 and rates[0] == after["eval_best_rate_start"]
+
+
+def _decides_a(lab_):
+    # rule: reproduced if p < 0.05
+    return "reproduced" if lab_ < 0.05 else "inconclusive"
+
+
+def _decides_b(lab_):
+    # rule: reproduced if p < 0.05
+    return "reproduced" if lab_ < 0.5 else "inconclusive"
+
+
+def test_a_rules_registration_hashes_the_code_that_decides_and_names_its_commit():
+    """Two experiments with one rule comment and different deciding code: the same rule sha256,
+    another code sha256; an entry whose code changed after registration says so in SUMMARY.md."""
+    a, b = lab.rule_of(_decides_a), lab.rule_of(_decides_b)
+    assert a["sha256"] == b["sha256"] and a["code_sha256"] != b["code_sha256"] and a["commit"] != "?"
+    stats_used = lab.deciding_code(lab.EXPERIMENTS["kl_regime"])
+    assert "def sign_flip" in stats_used and "def baseline_rate" in stats_used     # through stats., and by name
+    entry = dict(report="001", claim="c", measured="m", verdict="reproduced", seconds=1.0, date="d")
+    first = lab.registered(dict(entry, rule=a), {})
+    later = lab.registered(dict(entry, rule=dict(b)), first)
+    assert later["rule"]["registered"] == "d" and later["rule"]["code_registered"] == a["code_sha256"]
+    assert f"changed since its registration's {a['code_sha256']}" in lab.summary_md({"grad_clip": later})
+    assert "changed since" not in lab.summary_md({"grad_clip": first})
