@@ -61,8 +61,7 @@ RESERVE = ".reserve"
 
 
 def reserve(run_dir: Path, nbytes: int) -> bool:
-    """Hold nbytes of the disk in RUN/.reserve for the run's last checkpoint and summary
-    (release); False when the disk has not that much room now."""
+    """Hold nbytes of disk in RUN/.reserve for the last checkpoint and summary (release); False: no room now."""
     path = Path(run_dir) / RESERVE
     try:
         with open(path, "wb") as f:
@@ -149,15 +148,13 @@ class RunBusy(ValueError):
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path):
-    """flock on RUN/.lock while a run writes there: a second run is refused (RunBusy); a killed
-    run leaves no stale lock."""
+    """flock on RUN/.lock while a run writes there: a second is refused (RunBusy); a killed one leaves no lock."""
     fd = os.open(Path(run_dir) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise RunBusy(f"--out: another run is writing in {str(run_dir)!r} now; wait for it, "
-                      f"or choose another --out") from None
+        raise RunBusy(f"--out: another run is writing in {str(run_dir)!r} now; wait for it, or choose another --out") from None
     try:
         yield
     finally:

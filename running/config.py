@@ -399,8 +399,7 @@ def writable(folder: Path) -> bool:
 
 
 def saved_fields(run_dir: Path, config_class) -> dict:
-    """The fields of config_class a run was made with (its config.json); OSError or ValueError
-    when it cannot be read."""
+    """The fields of config_class a run was made with (config.json); OSError or ValueError if unreadable."""
     saved = json.loads((Path(run_dir) / "config.json").read_text())
     if not isinstance(saved, dict):
         raise ValueError("config.json is not a JSON object")

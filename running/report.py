@@ -3,6 +3,7 @@ line, summary.json and its curves, and TensorBoard when asked. Every key: docs/m
 
     python -m running.report OUT_DIR      # OUT_DIR/curves.png again, from its metrics.jsonl
 """
+import contextlib
 import ctypes.util
 import gzip
 import json
@@ -134,22 +135,26 @@ class TensorBoardMirror:
     def write(self, row: dict) -> None:
         self.log.write(row)
         self.lost, self.full = self.log.lost, self.log.full
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" \
-                    and math.isfinite(value):
-                self.writer.add_scalar(key, value, row["step"])
-        self.writer.flush()
+        try:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step" \
+                        and math.isfinite(value):
+                    self.writer.add_scalar(key, value, row["step"])
+            self.writer.flush()
+        except Exception as e:               # a full disk, a folder gone: the mirror stops, the run does not
+            print(f"train.py: --tensorboard: stopped at step {row['step']} ({type(e).__name__}: {e}); metrics.jsonl has every number", file=sys.stderr)
+            self.write = self.log.write
 
     def close(self) -> None:
-        self.writer.close()
         self.log.close()
+        with contextlib.suppress(Exception):     # its last events may not fit either
+            self.writer.close()
 
 
 # ---- curves.png ----
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """A run's metrics.jsonl rows; from metrics.jsonl.gz where only that is kept (the lab's
-    committed toy runs: lab.common.keep)."""
+    """A run's metrics.jsonl rows; from metrics.jsonl.gz where only that is kept (lab.common.keep)."""
     path = Path(run_dir) / "metrics.jsonl"
     text = path.read_text() if path.exists() else gzip.decompress(path.with_suffix(".jsonl.gz").read_bytes()).decode()
     return [json.loads(line) for line in text.splitlines() if line.strip()]

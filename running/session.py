@@ -361,8 +361,7 @@ def end_step(run: Run, row: dict, stats: dict, sampled: tuple) -> bool:
 
 
 def account(run: Run, row: dict, stats: dict, signal: str | None) -> str | None:
-    """Say what went wrong (once where it would repeat), raise the monitor's alerts; why the run
-    must stop, or None."""
+    """Say what went wrong (once where it repeats), raise the monitor's alerts; why the run must stop, or None."""
     cfg, state, step = run.cfg, run.state, row["step"]
     for key, message in diagnostics.silent_no_ops(row, cfg.k, cfg.new_tokens).items():   # each said once
         if key not in run.said:

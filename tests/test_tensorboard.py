@@ -76,3 +76,27 @@ def test_a_writer_that_cannot_start_is_one_line_and_the_run_goes_on(tmp_path, mo
     summary = train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard")))
     assert summary["steps"] == 3 and "--tensorboard: cannot write to" in capsys.readouterr().err
 
+
+
+def test_a_disk_that_fills_while_tensorboard_writes_is_one_line_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    """The events file cannot grow at step 2 (OSError 28): one line, the mirror stops, the run
+    ends as usual with every step in metrics.jsonl; closing the writer cannot fail the run either."""
+    from running import config
+    import train
+
+    class FillsUp(FakeWriter):
+        def add_scalar(self, key, value, step):
+            if step >= 2:
+                raise OSError(28, "No space left on device")
+            super().add_scalar(key, value, step)
+
+        def close(self):
+            raise OSError(28, "No space left on device")
+    monkeypatch.setattr(config, "has_tensorboard", lambda: True)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FillsUp))
+    summary = train.train(config.parse_config(quick(tmp_path, "tb", "--tensorboard")))
+    err = capsys.readouterr().err
+    assert summary["steps"] == 3 and summary["stopped"] is None and "Traceback" not in err
+    assert err.count("--tensorboard: stopped at step 2 (OSError") == 1
+    rows = [json.loads(line) for line in open(tmp_path / "tb" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and {s for _, _, s in FakeWriter.made[-1].scalars} == {0, 1}
