@@ -65,7 +65,7 @@ def test_a_token_mean_over_the_micro_batch_makes_the_gradient_depend_on_the_cut(
     torch.testing.assert_close(ours[0], ours[1], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(theirs[0], ours[0], rtol=1e-5, atol=1e-7)          # one micro-batch: the same
     gap = (theirs[1] - ours[1]).norm() / ours[1].norm()
-    assert gap > 0.05, gap
+    assert gap > 0.05, gap                              # 0.088 on this machine
     loss = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]])
     mask = (loss != 0).float()
     loop = sum((loss[i:i + 2] * mask[i:i + 2]).sum() / mask[i:i + 2].sum() for i in (0, 2)) / 2
@@ -103,7 +103,7 @@ def test_sampling_at_t_0_8_and_top_p_0_9_and_scoring_at_t_1_makes_on_policy_rati
 
 @pytest.mark.lesson
 def test_the_courses_kl_over_positions_is_not_the_kl_between_the_policies():
-    """Two policies over a vocabulary of 4 whose KL is 0.32 (exact): one sampled token each
+    """Two policies over a vocabulary of 4 whose KL is 0.45 (exact): one sampled token each
     gives the course's "KL" 0; two tokens whose log-probs move by the same amount under both
     also give 0 (a softmax over positions ignores a shift)."""
     pi = torch.tensor([0.7, 0.1, 0.1, 0.1])
