@@ -53,6 +53,7 @@ import torch
 import advantages
 import entropy_control
 import kl
+import mistakes
 import mismatch
 import rewards
 import rollout
@@ -72,7 +73,7 @@ class Knobs:
                 "token ratios; then, unless given, its paper's --clip-eps 3e-4 --clip-eps-high 4e-4 --loss-agg "
                 "seq-mean-token-mean)", "choices": RATIO_LEVELS})
     loss_agg: str = field(default="token-mean", metadata={"help": "how per-token losses are averaged (aggregate)",
-                                                          "choices": AGGREGATIONS, "algos": ("grpo", "ppo")})
+                                                          "choices": (*AGGREGATIONS, "micro-token-mean"), "algos": ("grpo", "ppo")})
     skip_all_fallback: bool = field(default=False, metadata={"help": "report 001's guard: no update when every "
                                                              "sample is fallback text", "flag": False})
 
@@ -177,6 +178,7 @@ def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, ma
     seq-mean-token-mean  sum_i (sum_t loss_it / len_i) / (sequences in it)     (original GRPO)
     seq-mean-token-sum   sum_it loss_it / (sequences in it)                    (LUSPO; verl's name)
     constant             sum_it loss_it / (sequences * max_len)                (Dr. GRPO)
+    micro-token-mean     this micro-batch's token mean / micro-batches         (a mistake: mistakes.py)
 
     The denominators are those of the whole mini-batch (one optimizer step's worth; the
     whole batch by default), not of the micro-batch being computed, so the micro-batch
@@ -194,6 +196,8 @@ def aggregate(per_token, mask, mode: str, batch_seqs: int, batch_tokens: int, ma
         return kept.sum() / batch_seqs
     if mode == "constant":
         return kept.sum() / (batch_seqs * max_len)
+    if mode == "micro-token-mean":                       # a mistake, as nanochat writes it (mistakes.py, 2)
+        return mistakes.micro_token_mean(kept, m, batch_seqs)
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
 
 
@@ -239,8 +243,8 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     sums = {}
     if rows.ref_logp is not None:
         kl_t = kl.estimate(logp, rows.ref_logp, kl.estimator(hp))               # (n, C)
-        if not hp.kl_in_reward:
-            per_token = per_token + hp.beta * kl_t
+        if not hp.kl_in_reward:                 # kl_ratio_correction: mistakes.py, 6
+            per_token = per_token + hp.beta * kl_t * (torch.exp(logp - old_logp) if hp.kl_ratio_correction else 1)
         k3 = kl_t.detach() if kl.estimator(hp) == "k3" else kl.estimate(logp.detach(), rows.ref_logp, "k3")
         sums["ref_kl"] = (k3 * mask).sum().item()
     if hp.entropy_coef > 0:
@@ -248,7 +252,7 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     # approx_kl = E[(ratio - 1) - log ratio], CleanRL's: kl.py's k3 of KL(old || new), how far
     # this update moved, from the token log-ratio x = log pi - log pi_old
     x = logp.detach() - old_logp                                                # (n, C)
-    approx_kl = torch.exp(x) - x - 1                                            # (n, C)
+    approx_kl = torch.expm1(x) - x                                              # (n, C)
     if mask.any():                              # the token ratio's extremes (update.EXTREMES)
         token_ratio = torch.exp(x)[mask.bool()]
         sums.update(ratio_min=token_ratio.min().item(), ratio_max=token_ratio.max().item())

@@ -93,6 +93,9 @@ class Knobs:
                               "k3 in the loss (in the reward k3's pull nearly cancels)", "choices": ("auto", *ESTIMATORS)})
     kl_in: str = field(default="auto", metadata={"help": "where the KL goes: loss (GRPO's habit), reward (PPO's); "
                                                  "auto = by --algo", "choices": ("auto", "loss", "reward")})
+    kl_ratio_correction: bool = field(default=False, metadata={"help": "the loss's KL term times each token's ratio "
+                                      "pi / pi_old, with its gradient: the reverse KL's gradient, not the forward's "
+                                      "(TRL's use_bias_correction_kl; mistakes.py, 6)", "flag": False})
 
 
 def problems(cfg):
@@ -127,8 +130,8 @@ def estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") 
         return -x
     if estimator == "k2":
         return 0.5 * x ** 2
-    if estimator == "k3":
-        return torch.exp(x) - x - 1
+    if estimator == "k3":                # expm1: exp(x) - 1 cancels to 0 or below in float32 (mistakes.py, 5)
+        return torch.expm1(x) - x
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {ESTIMATORS}")
 
 

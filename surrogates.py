@@ -31,20 +31,19 @@ past the other edge keeps its gradient (A < 0 at r = 100: weight 100), hence dua
 and, with any of them, --top-entropy-quantile 0.2 trains only the 20% of tokens of highest
 entropy (TRL's top_entropy_quantile, the "80/20" of Wang et al. 2025).
 
-Each returns the per-token loss (n, C) that grpo.aggregate averages, and where a bound bit,
-by side (low, high: TRL's clip_ratio/low_mean and high_mean). tests/test_surrogates.py checks
-each against a re-implementation of verl's or TRL's formula, values and gradients, and its
-lesson: CISPO keeps a gradient on a clipped token, dual-clip bounds an exploding ratio's loss.
+Each returns the per-token loss (n, C) that grpo.aggregate averages, and where a bound bit (low, high:
+TRL's clip_ratio/low_mean, high_mean); tests/test_surrogates.py checks each against verl's or TRL's
+formula. clip-inverted is a mistake, kept to be seen (mistakes.py, 1).
 """
 from dataclasses import dataclass, field
 
 import torch
 
+import mistakes
 import trust_regions
 
-# --policy-loss NAME -> its per-token loss, (loss, low, high), from (logp, old_logp, adv, mask,
-# keep, hp). A new objective is one function below, one line here, and its knobs in Knobs
-# (their metadata "objective" names it): the flag's choices, the checks and the dispatch follow.
+# --policy-loss NAME -> (loss, low, high) from (logp, old_logp, adv, mask, keep, hp). A new objective is one function
+# below, one line here, its knobs in Knobs (metadata "objective" names it): choices, checks, dispatch follow.
 OBJECTIVES = {
     "dual-clip": lambda logp, old, adv, mask, keep, hp: dual_clip(token_ratio(logp, old), adv, *clip_range(hp),
                                                                   hp.dual_clip_c),
@@ -56,7 +55,9 @@ OBJECTIVES = {
     "dppo-tv": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-tv", hp.dppo_delta),
     "dppo-kl": lambda logp, old, adv, mask, keep, hp: trust_regions.dppo(logp, old, adv, "dppo-kl", hp.dppo_kl_delta),
     "sq-logratio": lambda logp, old, adv, mask, keep, hp: trust_regions.sq_logratio(logp, old, adv, hp.sq_beta),
-    "vespo": lambda logp, old, adv, mask, keep, hp: trust_regions.vespo(logp, old, adv, mask)}
+    "vespo": lambda logp, old, adv, mask, keep, hp: trust_regions.vespo(logp, old, adv, mask),
+    "clip-inverted": lambda logp, old, adv, mask, keep, hp: mistakes.clip_inverted(token_ratio(logp, old), adv,
+                                                                                  *clip_range(hp))}   # a mistake
 POLICY_LOSSES = ("clip", "luspo", *OBJECTIVES)    # PPO's clip (and GSPO's, LUSPO's), in grpo.policy_loss
 
 # The aggregation (grpo.aggregate) an objective was written with, where not token-mean (used
@@ -64,7 +65,7 @@ POLICY_LOSSES = ("clip", "luspo", *OBJECTIVES)    # PPO's clip (and GSPO's, LUSP
 # long sequence more: 0.32 apart on the same inputs); GMPO's loss is one number a sequence (verl's
 # geo_mean); LUSPO's is that number times the sequence's length (TRL's luspo).
 OWN_AGGREGATION = {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean", "luspo": "seq-mean-token-sum"}
-CLIPPED = ("clip", "luspo", "dual-clip", "clip-cov")   # the objectives PPO's [1 - eps, 1 + eps_high] bounds
+CLIPPED = ("clip", "luspo", "dual-clip", "clip-cov", "clip-inverted")   # those [1 - eps, 1 + eps_high] bounds
 
 
 def knob(default, help, objective=CLIPPED, **more):
@@ -129,9 +130,8 @@ def clip_range(hp) -> tuple[float, float]:
 def token_ratio(logp, old_logp):
     """r_it = exp(log r_it), log r_it clamped to [-20, 20] first (verl's clamp): past log r = 88
     exp gives inf in float32, and a branch torch.where does not take then still sends 0 * inf =
-    NaN into the gradient (dual-clip's capped tokens, SAPO's gate). e^20 is far past every
-    clip and cap here; a value changes only for a token past it (KL-Cov's unclipped -r A: e^20 A
-    instead of inf), and a clamped token has no gradient, as in verl."""
+    NaN into the gradient (dual-clip's capped tokens, SAPO's gate). e^20 is far past every clip and cap
+    here; only a token past it changes (KL-Cov's -r A: e^20 A, not inf), and has no gradient, as in verl."""
     return torch.exp((logp - old_logp).clamp(-20.0, 20.0))                      # (n, C)
 
 

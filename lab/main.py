@@ -34,6 +34,7 @@ from lab.common import BLOCK, Lab, cpu
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
+from lab.popular_code import clip_inverted, micro_token_mean, sampled_not_scored
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime
 from lab.report003 import kl_range, kl_regime, kl_regime_fixed, rce_grpo
 from lab import real, real_collapse, stats
@@ -52,7 +53,8 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "entropy_collapse_epochs": entropy_collapse_epochs, "entropy_collapse_2026": entropy_collapse_2026,
                "mismatch": mismatch,
                "trust_regions_stale": trust_regions_stale, "detectors": detectors,
-               "rollback": rollback, "rollback_stale": rollback_stale}
+               "rollback": rollback, "rollback_stale": rollback_stale, "clip_inverted": clip_inverted,
+               "micro_token_mean": micro_token_mean, "sampled_not_scored": sampled_not_scored}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
 NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 

@@ -743,3 +743,18 @@ def test_a_rules_registration_hashes_the_code_that_decides_and_names_its_commit(
     assert later["rule"]["registered"] == "d" and later["rule"]["code_registered"] == a["code_sha256"]
     assert f"changed since its registration's {a['code_sha256']}" in lab.summary_md({"grad_clip": later})
     assert "changed since" not in lab.summary_md({"grad_clip": first})
+
+
+def test_kl_regimes_first_block_against_the_mean_of_its_baselines_last_six_evaluations():
+    """The first block's baseline was one evaluation at the 1.000 ceiling; against the mean of the
+    baseline run's last six evaluations (0.988) the range rule's fall gives p = 0.079 (7/20 runs
+    below), kl_regime_fixed's beta = 10 p = 0.0063: the figures docs/claims.md quotes."""
+    results = Path(__file__).parent.parent / "results"
+    rows = kept_rows({"out": "results/kl_regime/baseline/runs/k_8_norm_global_steps_150_save-every_150/s0"})
+    baseline = statistics.fmean([r["eval_best_rate"] for r in rows if "eval_best_rate" in r][-6:])
+    assert baseline == pytest.approx(0.98828125)
+    for name, arm, p, below in (("kl_regime", "--kl-target-min 0.01", "0.079", 7), ("kl_regime_fixed", "--kl-coef 10", "0.0063", None)):
+        runs = next(v for k, v in json.loads((results / name / "summaries.json").read_text()).items() if arm in k)
+        end = [x["eval_best_rate_end"] for x in runs]
+        assert stats.p_value(stats.sign_flip([baseline - v for v in end])) == p
+        assert below is None or sum(v < baseline for v in end) == below

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 LESSONS = ("advantages", "diagnostics", "dynamic_sampling", "entropy_control", "grpo", "kl",
            "logprobs", "mismatch", "monitor", "ppo", "rce", "rewards", "rollout", "shared_prefix", "surrogates",
-           "tool_env", "truncation", "trust_regions", "update", "lora", "warm_start")
+           "tool_env", "truncation", "trust_regions", "update", "lora", "warm_start", "mistakes")
 MACHINERY = ("running", "tasks", "models", "lab")
 ALLOWED = {"torch", "transformers", *LESSONS, *sys.stdlib_module_names}
 

@@ -348,7 +348,7 @@ def test_dual_clip_at_its_default_cap_changes_nothing_until_a_ratio_explodes(cli
     (["--policy-loss", "cispo", "--cispo-max", "-5"], "--cispo-max: must be in [1, 10000]"),
     (["--policy-loss", "sapo", "--sapo-tau-neg", "0"], "--sapo-tau-neg: must be in [0.001, 1000]"),
     (["--dual-clip-c", "4"], "--dual-clip-c: only --policy-loss dual-clip reads it"),
-    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: only --policy-loss clip, luspo, dual-clip and clip-cov read it; --policy-loss cispo would ignore it"),
+    (["--policy-loss", "cispo", "--clip-eps", "0.3"], "--clip-eps: only --policy-loss clip, luspo, dual-clip, clip-cov and clip-inverted read it; --policy-loss cispo would ignore it"),
     (["--policy-loss", "sapo", "--ratio-level", "sequence"], "--policy-loss: sapo weighs each token by its own ratio"),
     (["--policy-loss", "gmpo", "--algo", "ppo"], "--policy-loss: gmpo weighs a sequence by one advantage; --algo ppo"),
     (["--policy-loss", "cispo", "--algo", "rce"], "--policy-loss: only --algo grpo and ppo use it"),
