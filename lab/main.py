@@ -110,8 +110,10 @@ def second_block(root: Path | None, name: str, entry: dict) -> str:
         return ""
     said = [said_verdict(r, name, e) for r, e in ((root, entry), (root / "block2", other))]
     same = [re.split(r"[:(]", v)[0].strip() for v in said]
+    rules = [(e.get("rule") or {}).get("sha256") for e in (entry, other)]
     return (f"\n- **Second block** (every seed + {BLOCK}; {other.get('date', '?')}, {other.get('cpu', '?')}): "
-            f"{said[1]}. " + ("Replicates: the same verdict." if same[0] == same[1] else
+            f"{said[1]}. " + (f"Under another rule than the first block's (sha256 {rules[1]}): not a replication."
+                              if rules[0] != rules[1] else "Replicates: the same verdict." if same[0] == same[1] else
                               f"Does not replicate ({same[0]} against {same[1]}): not decided."))
 
 

@@ -699,6 +699,11 @@ def test_a_second_block_runs_on_seeds_the_first_never_drew_and_summary_md_says_w
         text = lab.summary_md({"k2_pm1": entry_("reproduced")}, root)
         line = next(x for x in text.splitlines() if x.startswith("- **Second block**"))
         assert line.startswith(f"- **Second block** (every seed + 1000; d, X): {second}") and line.endswith(said), line
+    ruled = lambda sha: dict(entry_("reproduced"), rule={"text": "rule: x", "sha256": sha})
+    (tmp_path / "ruled" / "block2").mkdir(parents=True)
+    (tmp_path / "ruled" / "block2" / "summary.json").write_text(json.dumps({"k2_pm1": ruled("b")}))
+    assert "Under another rule than the first block's (sha256 b): not a replication." in \
+        lab.summary_md({"k2_pm1": ruled("a")}, tmp_path / "ruled")
 
 
 def test_a_baseline_is_the_mean_of_evaluations_and_its_first_is_the_runs_own_step_0(tmp_path, monkeypatch):
