@@ -113,7 +113,7 @@ def second_block(root: Path | None, name: str, entry: dict) -> str:
     rules = [(e.get("rule") or {}).get("sha256") for e in (entry, other)]
     return (f"\n- **Second block** (every seed + {BLOCK}; {other.get('date', '?')}, {other.get('cpu', '?')}): "
             f"{said[1]}. " + (f"Under another rule than the first block's (sha256 {rules[1]}): not a replication."
-                              if rules[0] != rules[1] else "Replicates: the same verdict." if same[0] == same[1] else
+                              if None not in rules and rules[0] != rules[1] else "Replicates: the same verdict." if same[0] == same[1] else
                               f"Does not replicate ({same[0]} against {same[1]}): not decided."))
 
 
