@@ -27,11 +27,11 @@ lines):
 
 3. Sampling from one distribution, scoring with another (`sampled_ratio`). reasoning-from-scratch's
    scripts sample at temperature 0.8 and top-p 0.9 (7_4_plus_clip_ratio.py lines 43-44, 57-62) and
-   score with log_softmax at temperature 1 over the whole vocabulary (line 83): on-policy every
-   ratio should be 1; it is p(x) / q(x) for x drawn from q, whose log has mean -KL(q || p).
-   nanochat samples with top-k 50 (chat_rl.py lines 49, 111) and differentiates the full softmax's
-   log-prob (line 264) with no ratio: its policy gradient averages over samples of another policy.
-   `--top-p 0.9` without `--mask-replay` trains with it (truncation.py has the exact bias).
+   score with log_softmax at temperature 1 over the whole vocabulary (line 83); nanochat samples with
+   top-k 50 (chat_rl.py lines 49, 111) and differentiates the full softmax's log-prob (line 264). The
+   policy gradient of p is then averaged over samples of q: the weight p(x) / q(x) that would correct
+   it is never 1 and never applied (its log averages -KL(q || p)). `--rollout-temperature 0.8
+   --top-p 0.9` trains with it; truncation.py has top-p's exact bias on a ratio.
 
 4. A "KL" that is not one (`positions_kl`). huggingface/course at 8ab66da,
    chapters/en/chapter12/3a.mdx, "3. Updating the Policy":
@@ -86,8 +86,8 @@ def micro_token_mean(kept, mask, batch_seqs: int):
 
 def sampled_ratio(logits, temperature: float = 0.8, top_p: float = 0.9):
     """Mistake 3 exactly, for one position: (q, r) with q the sampler's distribution (softmax of
-    logits / temperature, cut to the top-p nucleus and renormalised) and r = p / q the "on-policy"
-    ratio of each token the sampler can draw, p the full softmax at temperature 1 that scores it."""
+    logits / temperature, cut to the top-p nucleus and renormalised) and r = p / q, the weight that
+    would correct each token the sampler can draw, p the full softmax at temperature 1 that scores it."""
     keep = truncation.kept(logits / temperature, top_p)                     # the nucleus (transformers' rule)
     q = truncation.logprobs_over(logits / temperature, keep).exp()
     return q, torch.where(keep, torch.softmax(logits, -1) / q, torch.nan)
