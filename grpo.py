@@ -252,7 +252,7 @@ def policy_loss(logp, old_logp, entropy, rows, hp: HyperParams) -> tuple[torch.T
     # approx_kl = E[(ratio - 1) - log ratio], CleanRL's: kl.py's k3 of KL(old || new), how far
     # this update moved, from the token log-ratio x = log pi - log pi_old
     x = logp.detach() - old_logp                                                # (n, C)
-    approx_kl = torch.expm1(x) - x                                              # (n, C)
+    approx_kl = kl.estimate(old_logp, logp.detach(), "k3")                     # (n, C): expm1(x) - x
     if mask.any():                              # the token ratio's extremes (update.EXTREMES)
         token_ratio = torch.exp(x)[mask.bool()]
         sums.update(ratio_min=token_ratio.min().item(), ratio_max=token_ratio.max().item())

@@ -48,21 +48,22 @@ lines):
 
 6. The KL term times the importance ratio (`kl_ratio_corrected`). TRL at f2cd577,
    trl/trainer/grpo_trainer.py lines 3075-3076: with use_bias_correction_kl, per_token_kl *
-   coef_1, coef_1 = exp(log pi - log pi_old) with its gradient (DeepSeek-V3.2's estimator; OpenRLHF
-   names it --algo.kl.unbiased_gradient). Not a mistake in itself, and worth knowing why: without
+   coef_1, coef_1 = exp(log pi - log pi_old) with its gradient (DeepSeek-V3.2's estimator; off by
+   default in that snapshot). Not a mistake in itself, and worth knowing why: without
    the ratio, the expected gradient of k3 = ref/pi - log(ref/pi) - 1 over x ~ pi is
    -E_ref[grad log pi], the gradient of the *forward* KL(ref || pi); with it, the score term
    k3 grad log pi is added and the gradient is that of the reverse KL(pi || ref) that the loss
    names. Both at once on-policy: the ratio's value is 1, its gradient is not 0. The mistake is at
    importance_sampling_level="sequence": coef_1 is then the sequence's ratio broadcast onto every
-   token's KL, and token t's KL pulls on the log-probs of every other token of its sequence (TRL
-   issue #6586). kl.Knobs.kl_ratio_correction trains with the token-level correction.
+   token's KL (TRL's lines 3057-3059 and 3066), and token t's KL pulls on the log-probs of every other
+   token of its sequence. kl.Knobs.kl_ratio_correction trains with the token-level correction.
 
 7. Two the course already teaches: sequence-level k1 in the loss has zero expected gradient
    (kl.py), and a stop token left out of the loss mask is never learned (rollout.py).
 """
 import torch
 
+import kl
 import truncation
 
 
@@ -111,8 +112,7 @@ def kl_ratio_corrected(logp, old_logp, ref_logp, mask, level: str = "token"):
     """Item 6: k3 times the importance ratio exp(log pi - log pi_old), with its gradient, per token
     ("token": each token's own ratio, kl.py's kl_ratio_correction) or, TRL's importance_sampling_level
     "sequence", the sequence's ratio exp(mean_t log r_t) broadcast onto each of its tokens. (n, C)."""
-    x = ref_logp - logp
-    k3 = torch.expm1(x) - x
+    k3 = kl.estimate(logp, ref_logp, "k3")
     log_r = logp - old_logp
     if level == "sequence":
         m = mask.to(log_r.dtype)

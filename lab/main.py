@@ -111,10 +111,13 @@ def second_block(root: Path | None, name: str, entry: dict) -> str:
     said = [said_verdict(r, name, e) for r, e in ((root, entry), (root / "block2", other))]
     same = [re.split(r"[:(]", v)[0].strip() for v in said]
     rules = [(e.get("rule") or {}).get("sha256") for e in (entry, other)]
-    return (f"\n- **Second block** (every seed + {BLOCK}; {other.get('date', '?')}, {other.get('cpu', '?')}): "
-            f"{said[1]}. " + (f"Under another rule than the first block's (sha256 {rules[1]}): not a replication."
-                              if None not in rules and rules[0] != rules[1] else "Replicates: the same verdict." if same[0] == same[1] else
-                              f"Does not replicate ({same[0]} against {same[1]}): not decided."))
+    if None not in rules and rules[0] != rules[1]:
+        judged = f"Under another rule than the first block's (sha256 {rules[1]}): not a replication."
+    elif same[0] == same[1]:
+        judged = "Replicates: the same verdict."
+    else:
+        judged = f"Does not replicate ({same[0]} against {same[1]}): not decided."
+    return f"\n- **Second block** (every seed + {BLOCK}; {other.get('date', '?')}, {other.get('cpu', '?')}): {said[1]}. {judged}"
 
 
 def main(argv=None):
@@ -126,7 +129,7 @@ def main(argv=None):
                    help="where NAME/, summary.json and SUMMARY.md go (default: runs/lab, runs/lab/MODEL "
                         "with --model, runs/lab-quick with --quick; --out results refreshes the committed ones)")
     p.add_argument("--list", action="store_true")
-    p.add_argument("--block", type=int, default=1, help="2: rerun on a second block of seeds (each + 1000), "
+    p.add_argument("--block", type=int, default=1, choices=(1, 2), help="2: rerun on a second block of seeds (each + 1000), "
                    "into OUT/block2, whose verdicts SUMMARY.md sets beside the first block's")
     p.add_argument("--model", default="", help="run on a real model (train.py --model, e.g. smollm2-135m), "
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
@@ -137,8 +140,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
-    if args.block < 1 or args.block > 1 and args.model:
-        p.error(f"--block must be >= 1 and is for the tiny model's lab, got {args.block}" + " with --model" * bool(args.model))
+    if args.block == 2 and args.model:
+        p.error("--block 2 is for the tiny model's lab, not --model")
     if args.model:
         problem = pretrained.problem(args.model)
         if problem:
@@ -152,7 +155,7 @@ def main(argv=None):
         p.error(f"unknown experiment {unknown[0]!r}; one of: {', '.join([*EXPERIMENTS, *REAL])}")
     out = (args.out or Path("runs/lab-quick" if args.quick else
                             f"runs/lab/{args.model.replace('/', '_')}" if args.model else "runs/lab")) \
-        / (f"block{args.block}" if args.block > 1 else "")
+        / ("block2" if args.block == 2 else "")
     if not config.writable(out):
         p.error(f"--out: cannot create or write to the folder {str(out)!r}")
     if args.model and not args.quick and all(n in REAL for n in args.names):
