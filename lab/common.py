@@ -5,6 +5,7 @@ import json
 import platform
 import re
 import statistics
+import subprocess
 from pathlib import Path
 
 from lab import compare
@@ -140,3 +141,10 @@ def one_answer_census(root: Path) -> dict:
         elif json.loads(summary.read_text())["eval_best_rate_end"] == 0.25:
             out["quarter_not_one"] += 1
     return out
+
+
+def commit() -> str:
+    """The commit the lab ran from (+ "with uncommitted changes"), or "?" outside a git clone."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD")
+    return (head + " with uncommitted changes" * bool(git("status", "--porcelain", "--untracked-files=no"))) or "?"

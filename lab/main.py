@@ -22,7 +22,6 @@ import inspect
 import json
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -30,14 +29,14 @@ import transformers
 
 from running import config
 from models import pretrained
-from lab.common import BLOCK, Lab, cpu
+from lab.common import BLOCK, Lab, commit, cpu
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
 from lab.probe001 import probe_001
 from lab.popular_code import clip_inverted, micro_token_mean, sampled_not_scored
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime
 from lab.report003 import kl_range, kl_regime, kl_regime_fixed, rce_grpo
-from lab import real, real_collapse, stats
+from lab import real, real_collapse, regimes, stats
 from lab.detectors import detectors, rollback, rollback_stale
 from lab.collapse import (collapse_rate, entropy_collapse, entropy_collapse_epochs, entropy_collapse_2026, mismatch,
                           trust_regions_stale)
@@ -55,7 +54,7 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "trust_regions_stale": trust_regions_stale, "detectors": detectors,
                "rollback": rollback, "rollback_stale": rollback_stale, "clip_inverted": clip_inverted,
                "micro_token_mean": micro_token_mean, "sampled_not_scored": sampled_not_scored}
-REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS}     # on a real model (--model): lab/real*.py
+REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS, **regimes.EXPERIMENTS}     # on a real model (--model): lab/real*.py
 NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
@@ -224,7 +223,10 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
 def rule_of(experiment) -> dict | None:
     """An experiment's rule as its code states it: the comment blocks that open with "# rule:" or
     "# rule (" in its function (each block runs to the first line that is not a comment), and their sha256;
-    beside it the sha256 of the code that decides (deciding_code) and the commit it ran from."""
+    beside it the sha256 of the code that decides (deciding_code) and the commit it ran from. A record's
+    (lab/regimes.py): its registration, the sha256 of the whole record."""
+    if getattr(experiment, "record", None):
+        return {k: v for k, v in regimes.registration(experiment.record).items() if k != "registered"}
     lines, text, inside = inspect.getsource(experiment).splitlines(), [], False
     for line in lines:
         inside = bool(re.match(r"# rules?( \(|:)", line.strip())) or (inside and line.strip().startswith("#"))
@@ -243,13 +245,6 @@ def deciding_code(experiment) -> str:
     spaces = [g, *(vars(m) for n in names if inspect.ismodule(m := g.get(n)) and m.__name__.startswith("lab."))]
     called = {f for space in spaces for n in names if inspect.isfunction(f := space.get(n)) and f.__module__.startswith("lab.")}
     return "\n".join(inspect.getsource(f) for f in [experiment, *sorted(called - {experiment}, key=lambda f: f.__qualname__)])
-
-
-def commit() -> str:
-    """The commit the lab ran from (+ "with uncommitted changes"), or "?" outside a git clone."""
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    head = git("rev-parse", "--short", "HEAD")
-    return (head + " with uncommitted changes" * bool(git("status", "--porcelain", "--untracked-files=no"))) or "?"
 
 
 def registered(entry: dict, old: dict) -> dict:

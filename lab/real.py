@@ -28,6 +28,7 @@ SEEDS = 3
 POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # seeds per setting, by the power analysis
            "real_rollback": 10, "real_lora_k2": 10, "real_rollback_epochs": 10}
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
+SEED_RANGES = {}      # the seeds of lab/regimes.py's records (else 0 .. seeds_of - 1)
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 
 # (experiment, label) -> train.py flags ({stage1}: that seed's stage-1 run). Micro-batches of
@@ -119,8 +120,11 @@ class RealLab:
         self.root, self.model, self.seeds = Path(root), model, seeds
 
     def seeds_of(self, name: str) -> int:
-        """Seeds per setting: the lab's, or a powered experiment's own (POWERED)."""
-        return POWERED.get(name, self.seeds)
+        """Seeds per setting: the lab's, or a powered experiment's own (POWERED), or a record's."""
+        return len(SEED_RANGES[name]) if name in SEED_RANGES else POWERED.get(name, self.seeds)
+
+    def seeds_in(self, name: str) -> range:
+        return SEED_RANGES.get(name, range(self.seeds_of(name)))
 
     def out(self, name: str, label: str, seed: int) -> Path:
         return self.root / name / "runs" / compare.slug(label) / f"s{seed}"
@@ -148,7 +152,7 @@ class RealLab:
         return summary
 
     def runs(self, name: str, label: str, log=print) -> list:
-        return [self.run(name, label, seed, log) for seed in range(self.seeds_of(name))]
+        return [self.run(name, label, seed, log) for seed in self.seeds_in(name)]
 
 
 def result(out: Path) -> dict | None:
@@ -203,7 +207,7 @@ def estimate(lab: RealLab, names: list) -> tuple[int, float]:
     left, seconds, tasks_left = 0, 0.0, set()
     for name in names:
         for label in SETTINGS.get(name, {}):
-            for seed in range(lab.seeds_of(name)):
+            for seed in lab.seeds_in(name):
                 if finished(lab.argv(name, label, seed)) is not None and not (
                         label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
                     continue
