@@ -1,0 +1,67 @@
+"""lab/regimes.py: an experiment as a registered record, run by one runner."""
+import dataclasses
+import itertools
+import statistics
+
+import pytest
+
+from lab import real, regimes
+from lab import main as lab
+
+
+class FakeLab(real.RealLab):
+    """A lab whose runs are made up (each arm's values given), with no train.py run."""
+
+    def __init__(self, root, values):
+        super().__init__(root, model="")
+        self.values, self.asked = values, []
+
+    def run(self, name, label, seed, log=print):
+        self.asked.append((label, seed))
+        valid, crash = self.values[label][seed - 100]
+        return dict(eval_valid_rate_end=valid, eval_fallback_rate_end=1 - valid, crash_rate=crash, crash_floor=0.1,
+                    out=str(self.root / label / str(seed)), seconds=1.0)
+
+
+def record(**changes):
+    return dataclasses.replace(regimes.PILOT_001, name="fake", arms={"a": "--k 2", "b": "--k 8"}, **changes)
+
+
+def test_a_record_tests_each_claim_by_a_permutation_over_its_own_seeds(tmp_path, monkeypatch):
+    monkeypatch.setattr(real, "write_table", lambda *a: None)
+    monkeypatch.setattr(real, "at_warm_start", lambda runs: "warm start")
+    values = {"a": [(0.1, 0.5), (0.2, 0.6), (0.3, 0.4)], "b": [(0.7, 0.1), (0.8, 0.2), (0.9, 0.1)]}
+    fake = FakeLab(tmp_path, values)
+    rec = record(tests=(("eval_valid_rate_end", "a", "below", "b"), ("crash_above_floor", "a", "above", "b")),
+                 seeds=range(100, 103))
+    entry = regimes.measure(rec, fake, log=lambda *a: None)
+    assert sorted(fake.asked) == sorted(itertools.product("ab", range(100, 103)))
+    # a naive permutation test: every split of the 6 runs into 3 + 3, the share at least as extreme
+    a, b = [v for v, _ in values["a"]], [v for v, _ in values["b"]]
+    splits = list(itertools.combinations(a + b, 3))
+    naive = sum(statistics.fmean(s) <= statistics.fmean(a) + 1e-12 for s in splits) / len(splits)
+    assert naive == 0.05 and "a below b, one-sided permutation p = 0.050" in entry["measured"]
+    assert entry["verdict"] == ("eval_valid_rate_end: a below b: inconclusive; "    # 0.05 is not below 0.05
+                                "crash_above_floor: a above b: inconclusive")
+    assert "crash_above_floor: a 0.40 ± 0.08" in entry["measured"]                  # 0.5 0.6 0.4 minus the floor
+
+
+def test_a_record_is_registered_before_its_first_run_and_a_changed_one_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(real, "write_table", lambda *a: None)
+    monkeypatch.setattr(real, "at_warm_start", lambda runs: "")
+    fake = FakeLab(tmp_path, {"a": [(0.5, 0.1)] * 2, "b": [(0.5, 0.1)] * 2})
+    seen = []
+    monkeypatch.setattr(fake, "run", lambda *a, **k: seen.append((tmp_path / "fake" / "registration.json").exists())
+                        or dict(eval_valid_rate_end=0.5, crash_rate=0.1, crash_floor=0.1, out=""))
+    assert regimes.measure(record(), fake)["verdict"] == "a pilot (no verdict)"
+    assert seen and all(seen)                                  # the registration was there before the first run
+    regimes.measure(record(), fake)                            # the same record runs again
+    with pytest.raises(SystemExit, match="changed since its registration"):
+        regimes.measure(record(alpha=0.1), fake)
+
+
+def test_the_labs_rule_of_a_record_hashes_the_whole_record_and_its_deciding_code():
+    a = lab.rule_of(regimes.experiment(record()))
+    b = lab.rule_of(regimes.experiment(record(power="another pilot")))
+    assert a["sha256"] != b["sha256"] and a["code_sha256"] == b["code_sha256"] and "power=" in a["text"]
+    assert lab.REAL["real_001_regime_pilot"].record is regimes.PILOT_001
