@@ -18,6 +18,7 @@ from tools import bench
 from tools import decode_floor
 from running import checkpoint
 from lab import compare
+from tools import checkpoints
 from running import config
 import logprobs
 from lab import main as lab
@@ -833,7 +834,7 @@ def test_compare_refuses_a_busy_run_and_a_damaged_checkpoint(tmp_path, capsys):
     train.train(config.parse_config(flags(tmp_path, "r", "--save-every", "2")))
     weights = tmp_path / "r" / "checkpoints" / "step-000002" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
-    exits_2(capsys, lambda: compare.checkpoints_main([str(tmp_path / "r"), "--out", str(tmp_path / "o")]), "is damaged")
+    exits_2(capsys, lambda: checkpoints.main([str(tmp_path / "r"), "--out", str(tmp_path / "o")]), "is damaged")
 
 
 @pytest.mark.slow                  # a multi-process fault test, 20-35 s: the slow tier (README)

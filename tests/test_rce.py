@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lab import compare
+from tools import checkpoints
 from running import config
 from running import session
 import logprobs
@@ -264,7 +265,7 @@ def test_compare_checkpoints_evaluates_the_warm_start_and_every_checkpoint(tmp_p
     run(tmp_path, "r", "--save-every", "1", "--reward", "composite")
     out = tmp_path / "ck"
     monkeypatch.setattr("sys.argv", ["lab/compare.py"])
-    compare.checkpoints_main([str(tmp_path / "r"), "--samples", "2", "--out", str(out)])
+    checkpoints.main([str(tmp_path / "r"), "--samples", "2", "--out", str(out)])
     result = json.loads((out / "checkpoints.json").read_text())
     assert [s for s, _ in result["runs"][str(tmp_path / "r")]] == [1, 2, 3]
     assert set(result["baseline"]) == {*workflow_task.TYPES, "all"}
@@ -272,7 +273,7 @@ def test_compare_checkpoints_evaluates_the_warm_start_and_every_checkpoint(tmp_p
     assert len(table) == 2 + 1 + 3 and table[2].startswith("| warm start")
     assert (out / "checkpoints.png").stat().st_size > 0
     with pytest.raises(SystemExit) as e:
-        compare.checkpoints_main([str(tmp_path / "nothing")])
+        checkpoints.main([str(tmp_path / "nothing")])
     assert e.value.code == 2 and "not a run folder" in capsys.readouterr().err
 
 

@@ -1,7 +1,11 @@
 """lab/regimes.py: an experiment as a registered record, run by one runner."""
 import dataclasses
 import itertools
+import json
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +28,7 @@ class FakeLab(real.RealLab):
 
 
 def record(**changes):
-    return dataclasses.replace(regimes.PILOT_001, name="fake", arms={"a": "--k 2", "b": "--k 8"}, **changes)
+    return dataclasses.replace(regimes.RECORDS["real_001_regime_pilot"], name="fake", arms={"a": "--k 2", "b": "--k 8"}, **changes)
 
 
 def test_a_record_tests_each_claim_by_a_permutation_over_its_own_seeds(tmp_path, monkeypatch):
@@ -64,4 +68,14 @@ def test_the_labs_rule_of_a_record_hashes_the_whole_record_and_its_deciding_code
     a = lab.rule_of(regimes.experiment(record()))
     b = lab.rule_of(regimes.experiment(record(power="another pilot")))
     assert a["sha256"] != b["sha256"] and a["code_sha256"] == b["code_sha256"] and "power=" in a["text"]
-    assert lab.REAL["real_001_regime_pilot"].record is regimes.PILOT_001
+    assert lab.REAL["real_001_regime_pilot"].record is regimes.RECORDS["real_001_regime_pilot"]
+
+
+def test_a_records_registration_is_the_same_in_another_process():
+    """The hashes name the record and its code, not this process (no object address may enter them)."""
+    here = lab.rule_of(lab.REAL["real_001_regime_pilot"])
+    there = subprocess.run([sys.executable, "-c", "from lab import main; r = main.rule_of(main.REAL['real_001_regime_pilot']); "
+                            "print(r['sha256'], r['code_sha256'])"], capture_output=True, text=True, check=True)
+    assert there.stdout.split() == [here["sha256"], here["code_sha256"]]
+    registered = Path(__file__).parent.parent / "results/smollm2-135m/real_001_regime_pilot/registration.json"
+    assert here["sha256"] == json.loads(registered.read_text())["sha256"]      # the record as it was registered

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from lab import stats
+from tools import power
 
 
 def naive_permutation_p(x, y):
@@ -120,12 +121,12 @@ def naive_p(x: list, y: list) -> float:
 
 
 def test_lesson_2s_group_norm_comparison_tested_after_the_fact(capsys):
-    """python -m lab.stats's first line: K=8/B=3 against K=2/B=3 on the committed group_norm runs,
+    """python -m tools.power's first line: K=8/B=3 against K=2/B=3 on the committed group_norm runs,
     its p the share of all C(12, 6) splits of the twelve runs (a plain loop) at least as far apart."""
     k8 = stats.toy("group_norm", "--k 8 --batch 3 --norm group", "eval_best_rate_end")
     k2 = stats.toy("group_norm", "--k 2 --batch 3 --norm group", "eval_best_rate_end")
     seen, naive = statistics.fmean(k8) - statistics.fmean(k2), naive_p(k8, k2)
-    stats.toy_after_the_fact()
+    power.toy_after_the_fact()
     assert f"K=8/B=3 above K=2/B=3: {seen:+.3f}, one-sided permutation p = {naive:.3f}" in capsys.readouterr().out
 
 

@@ -1,0 +1,67 @@
+"""The lab's statistics on the committed results: each comparison's p, and how many seeds an effect needs.
+
+    python -m tools.power     # the committed tiny-model and SmolLM2 comparisons, then the power tables
+
+The tests and power functions are lab/stats.py's; this prints them over results/ (tests/test_stats.py).
+"""
+import json
+import math
+import statistics
+
+from lab import common
+from lab.stats import (AFTER_THE_FACT, REAL, after_the_fact, binomial_se, committed, detectable_mean,
+                       permutation, real_after_the_fact, seeds_for_counts, seeds_for_mean)
+
+
+def toy_after_the_fact() -> None:
+    """The committed tiny-model runs' central comparisons, each put to the one-sided permutation
+    test; and group_norm's off-format count at lr 7e-3 to Fisher's."""
+    print("The committed tiny-model runs, held-out best at the end unless named, 6 seeds an arm, after the fact:")
+    for experiment in dict.fromkeys(x[1][0] for x in AFTER_THE_FACT):
+        for _, _, line in after_the_fact(REAL.parent, experiment):
+            print(f"  {line}")
+    print()
+
+
+def main() -> None:
+    toy_after_the_fact()
+    arms = {arm: committed("real_group_size", arm, "eval_best_rate_end")
+            for arm in ("K=2,_B=3", "K=8,_B=3", "K=8,_B=3,_entropy_bonus_0.01")}
+    sd = math.sqrt(statistics.fmean(statistics.variance(x) for x in arms.values()))   # pooled, equal arms
+    k2, k8 = arms["K=2,_B=3"], arms["K=8,_B=3"]
+    print("The committed SmolLM2 runs (results/smollm2-135m/real_group_size, held-out best at the end):")
+    for arm, x in arms.items():
+        print(f"  {arm:30s} {x}")
+    mde, n = detectable_mean(sd, len(k8), len(k2)), len(k8)
+    seen = f"nothing (no split of {n} runs against {n} reaches p < 0.05)" if mde == math.inf else f"{mde:.2f}"
+    print(f"  K=8 above K=2: {statistics.fmean(k8) - statistics.fmean(k2):+.3f}, one-sided permutation p = "
+          f"{permutation(k8, k2):.2f}; the pooled sd over seeds is {sd:.3f}; {n} runs an arm detect {seen}; "
+          f"this difference needs {seeds_for_mean(statistics.fmean(k8) - statistics.fmean(k2), sd)} runs an arm")
+    for entry in ("real_group_size", "real_entropy_collapse"):   # the tests SUMMARY.md prints beside them
+        for _, _, line in real_after_the_fact(REAL, entry):
+            print(f"  {line}")
+    c = common.one_answer_census(REAL)
+    print(f"  SmolLM2 DSL runs ending with one text for every logged held-out sample (Lesson 10): "
+          f"{c['one_text']} of {c['runs']}, by whose best workflow it is {c['by_type']}; first so at steps "
+          f"{sorted(c['first_step'])}; over their last five steps, groups with one reward (median) "
+          f"{statistics.median(c['zero_std']):.2f} and token entropy (median) {statistics.median(c['entropy']):.4f}; "
+          f"{c['quarter_not_one']} more end at held-out best 0.25 with two texts")
+    best = sorted(json.loads(p.read_text())["eval_best_rate_best"] for p in REAL.glob("*/runs/*/s*/summary.json")
+                  if json.loads((p.parent / "config.json").read_text())["task"] == "dsl")
+    print(f"  SmolLM2 DSL runs' best held-out evaluation (report 003's regime needs a strong baseline): highest "
+          f"{best[-1]:.2f}, median {statistics.median(best):.2f}, over {len(best)} runs")
+    print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
+    print("how often a setting ends collapsed (Fisher's exact test)")
+    for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3), (0.7, 0.1), (0.7, 0.4)):
+        print(f"  {p1:.0%} against {p2:.0%}: {seeds_for_counts(p1, p2)} runs an arm")
+    print(f"a difference of held-out means, at the sd above ({sd:.3f})")
+    for effect in (0.1, 0.15, 0.25):
+        print(f"  {effect:.2f}: {seeds_for_mean(effect, sd)} runs an arm")
+    print("the binomial standard error of one held-out rate near 0.25")
+    for n in (16, 64, 128, 256):
+        print(f"  {n} samples: {binomial_se(0.25, n):.3f}")
+    print(f"three runs against three: the smallest one-sided p is {permutation([1, 1, 1], [0, 0, 0]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
