@@ -268,10 +268,38 @@ def load(cfg, task, device: str, log, init: dict | None = None):
     return model.to(device), tok
 
 
+def export(model, tok, folder: Path) -> None:
+    """model and tok as a folder plain transformers loads (AutoModelForCausalLM, AutoTokenizer). The
+    tiny model goes out as the Llama it equals: transformers 5 gives every qwen2 folder the Qwen2
+    tokenizer class, which reads our word-level tokenizer.json as byte pairs (72 of 72 task texts came
+    back changed); a llama folder keeps its tokenizer as saved, and a Llama with Qwen2's q, k, v biases
+    and an o_proj bias of zeros computes the same logits (tests/test_survive.py)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    if model.config.model_type != "qwen2" or type(tok).__name__ not in GENERIC_TOKENIZERS:
+        return
+    q = Qwen2Config.from_pretrained(folder)
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+              "rope_parameters", "pad_token_id", "bos_token_id", "eos_token_id")
+    weights = load_file(folder / "model.safetensors")
+    for i in range(q.num_hidden_layers):
+        weights[f"model.layers.{i}.self_attn.o_proj.bias"] = torch.zeros(q.hidden_size)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    LlamaConfig(**{k: getattr(q, k) for k in shared}, attention_bias=True).save_pretrained(folder)
+
+
 def read_weights(ckpt: Path, model) -> dict:
-    """The checkpoint's weights as model's float32 state dict; ValueError if another model's."""
+    """The checkpoint's weights as model's float32 state dict; ValueError if another model's. The
+    tiny model's checkpoint (a Llama, export) back as its Qwen2: the o_proj biases, all zero, dropped."""
     from transformers import AutoModelForCausalLM          # here, not at the top: --help need not import it
-    weights = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True, dtype=torch.float32)
+    weights = loaded.state_dict()
+    if loaded.config.model_type == "llama" and model.config.model_type == "qwen2":
+        zero = {k for k, v in weights.items() if k.endswith("o_proj.bias") and not v.any()}
+        weights = {k: v for k, v in weights.items() if k not in zero}
     if set(weights) != set(model.state_dict()):
         raise ValueError("its weights do not match the model")
     return weights

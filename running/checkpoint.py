@@ -217,8 +217,7 @@ def save(run_dir: Path, step: int, model, tok, whole: dict, rng: random.Random) 
         shutil.rmtree(tmp)                # left by a crash during an earlier save
     try:
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        policy.export(model, tok, tmp)
         torch.save({"step": step, **whole, "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                    tmp / STATE_FILE)

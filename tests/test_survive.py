@@ -142,15 +142,33 @@ def test_resume_from_an_older_checkpoint_redoes_the_later_steps_exactly(tmp_path
         json.loads((tmp_path / "run" / "summary.json").read_text())["updates"]
 
 
-def test_a_checkpoint_loads_in_plain_transformers_and_generates(tmp_path):
-    train.train(config.parse_config(flags(tmp_path, "run", "--save-every", "4")))
+def test_a_checkpoint_loads_in_plain_transformers_gives_back_every_task_text_and_the_same_logits(tmp_path):
+    """The two lines a transformers user writes: AutoModelForCausalLM and AutoTokenizer on a checkpoint
+    folder. Every text of the task (each prompt with its best workflow, each fallback text) comes back
+    from encode and decode, as the same ids the run's own tokenizer gives, and the model's logits are
+    the run's (read back by the project's own loader: policy.read_weights)."""
+    import tasks
+    from models import policy
+    from tasks import workflow_task
+    cfg = config.parse_config(flags(tmp_path, "run", "--save-every", "4"))
+    train.train(cfg)
     ckpt = tmp_path / "run" / "checkpoints" / "step-000004"
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp"))
-    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
-    ids = tok("Problem ( code ) : debug a parser . Workflow :", return_tensors="pt")
-    out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert out.shape[1] > ids["input_ids"].shape[1]
+    ours = policy.build_tokenizer(workflow_task.vocabulary())
+    texts = [f"{p['text']} {p['best']}" for split in ("train", "eval") for p in workflow_task.make_prompts(split)]
+    texts += workflow_task.FALLBACK_TEXTS
+    assert [tok.decode(tok(t)["input_ids"]) for t in texts] == texts
+    assert [tok(t)["input_ids"] for t in texts] == [ours(t)["input_ids"] for t in texts]
+    run_model, _ = policy.load(cfg, tasks.TASKS[cfg.task], "cpu", log=lambda s: None)
+    run_model.load_state_dict(policy.read_weights(ckpt, run_model))
+    ids = torch.tensor([ours(texts[0])["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, run_model.eval()(ids).logits)
+    out = model.generate(**tok(texts[0], return_tensors="pt"), max_new_tokens=5, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > len(ours(texts[0])["input_ids"])
 
 
 def test_jsonl_log_appends_whole_lines_and_truncates_by_step(tmp_path):
