@@ -41,10 +41,15 @@ def value(run: dict, metric: str):
     return run["crash_rate"] - run["crash_floor"] if metric == "crash_above_floor" else run.get(metric)
 
 
-SHOWN = ("eval_valid_rate_end", "eval_fallback_rate_end", "crash_above_floor")   # measured in every record
-COLUMNS = [("held-out valid (start)", "eval_valid_rate_start"), ("held-out valid (end)", "eval_valid_rate_end"),
-           ("held-out fallback (end)", "eval_fallback_rate_end"), ("held-out best (end)", "eval_best_rate_end"),
-           ("crash rate", "crash_rate"), ("crash floor", "crash_floor")]
+# what every record's entry and table show, by task, beside the metrics its claims test
+SHOWN = {"dsl": ("eval_valid_rate_end", "eval_fallback_rate_end", "crash_above_floor"),
+         "tools": ("eval_tool_calls_end", "eval_accuracy_end", "frac_adv_negative_mean")}
+COLUMNS = {"dsl": [("held-out valid (start)", "eval_valid_rate_start"), ("held-out valid (end)", "eval_valid_rate_end"),
+                   ("held-out fallback (end)", "eval_fallback_rate_end"), ("held-out best (end)", "eval_best_rate_end"),
+                   ("crash rate", "crash_rate"), ("crash floor", "crash_floor")],
+           "tools": [("held-out accuracy (start)", "eval_accuracy_start"),
+                     ("held-out tool calls (end)", "eval_tool_calls_end"), ("held-out accuracy (end)", "eval_accuracy_end"),
+                     ("share A < 0", "frac_adv_negative_mean"), ("non-finite steps skipped", "skipped_nonfinite")]}
 
 
 def registration(record: Record) -> dict:
@@ -75,10 +80,11 @@ def measure(record: Record, lab: real.RealLab, log=print) -> dict:
     """Run the record's arms over its seeds (each run kept), test each claim, and say what was measured."""
     register(record, lab.root / record.name)
     runs = {label: [lab.run(record.name, label, seed, log) for seed in record.seeds] for label in record.arms}
-    real.write_table(lab, record.name, runs, COLUMNS)
+    task = "tools" if "--task tools" in next(iter(record.arms.values())) else "dsl"
+    real.write_table(lab, record.name, runs, COLUMNS[task])
     values = lambda metric, label: [value(r, metric) for r in runs[label]]
     shown = "; ".join(f"{metric}: " + ", ".join(f"{label} {compare.spread(values(metric, label))}" for label in runs)
-                      for metric in dict.fromkeys([*SHOWN, *(t[0] for t in record.tests)]))
+                      for metric in dict.fromkeys([*SHOWN[task], *(t[0] for t in record.tests)]))
     verdicts, tested = [], []
     for metric, arm, relation, other in record.tests:
         p = one_sided(relation, values(metric, arm), values(metric, other))
