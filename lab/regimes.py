@@ -36,13 +36,20 @@ def one_sided(relation: str, x: list, y: list) -> float:
     return stats.permutation(y, x) if relation == "below" else stats.permutation(x, y)
 
 
+OFF_FORMAT = 0.25     # a run fell off the format (report 002's collapse) when its held-out valid share ends below this
+
+
 def value(run: dict, metric: str):
-    """A run's metric: a key of its summary.json, or crash_above_floor (its crash rate above its null)."""
-    return run["crash_rate"] - run["crash_floor"] if metric == "crash_above_floor" else run.get(metric)
+    """A run's metric: a key of its summary.json, crash_above_floor (its crash rate above its null), or
+    off_format_end (1.0 if it fell off the format, else 0.0: a mean of these is a rate, and its
+    one-sided permutation test is Fisher's exact test)."""
+    if metric == "crash_above_floor":
+        return run["crash_rate"] - run["crash_floor"]
+    return float(run["eval_valid_rate_end"] < OFF_FORMAT) if metric == "off_format_end" else run.get(metric)
 
 
 # what every record's entry and table show, by task, beside the metrics its claims test
-SHOWN = {"dsl": ("eval_valid_rate_end", "eval_fallback_rate_end", "crash_above_floor"),
+SHOWN = {"dsl": ("eval_valid_rate_end", "eval_fallback_rate_end", "crash_above_floor", "off_format_end"),
          "tools": ("eval_tool_calls_end", "eval_accuracy_end", "frac_adv_negative_mean")}
 COLUMNS = {"dsl": [("held-out valid (start)", "eval_valid_rate_start"), ("held-out valid (end)", "eval_valid_rate_end"),
                    ("held-out fallback (end)", "eval_fallback_rate_end"), ("held-out best (end)", "eval_best_rate_end"),
@@ -55,7 +62,7 @@ COLUMNS = {"dsl": [("held-out valid (start)", "eval_valid_rate_start"), ("held-o
 def registration(record: Record) -> dict:
     """What registers a record: the sha256 of its text and of its deciding code, the commit, the date."""
     text = repr(record)
-    code = "".join(inspect.getsource(f) for f in (measure, value, one_sided))
+    code = "".join(inspect.getsource(f) for f in (measure, value, one_sided)) + f"OFF_FORMAT = {OFF_FORMAT}"
     sha = lambda s: hashlib.sha256(s.encode()).hexdigest()[:16]
     return {"text": text, "sha256": sha(text), "code_sha256": sha(code), "commit": commit(),
             "registered": time.strftime("%Y-%m-%d")}

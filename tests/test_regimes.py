@@ -79,3 +79,13 @@ def test_a_records_registration_is_the_same_in_another_process():
     assert there.stdout.split() == [here["sha256"], here["code_sha256"]]
     registered = Path(__file__).parent.parent / "results/smollm2-135m/real_001_regime_pilot/registration.json"
     assert here["sha256"] == json.loads(registered.read_text())["sha256"]      # the record as it was registered
+
+
+def test_off_format_end_is_a_rate_whose_permutation_test_is_fishers_exact_test():
+    """A 0/1 a run (held-out valid share below OFF_FORMAT at the end): the one-sided permutation p of
+    the difference of means equals Fisher's one-sided p of the counts (lab.stats.fisher)."""
+    from lab import stats
+    a = [regimes.value({"eval_valid_rate_end": v}, "off_format_end") for v in (0.1, 0.2, 0.9, 0.05, 0.6, 0.24)]
+    b = [regimes.value({"eval_valid_rate_end": v}, "off_format_end") for v in (0.9, 0.97, 0.3, 0.25, 1.0, 0.1)]
+    assert a == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0] and sum(b) == 1.0                   # 0.25 itself is on the format
+    assert regimes.one_sided("above", a, b) == pytest.approx(stats.fisher(4, 6, 1, 6), abs=1e-12)
