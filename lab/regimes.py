@@ -68,8 +68,8 @@ def registration(record: Record) -> dict:
             "registered": time.strftime("%Y-%m-%d")}
 
 
-def register(record: Record, folder: Path) -> dict:
-    """The record's registration, written into folder before its first run; the one there if the
+def register(record: Record, folder: Path) -> None:
+    """Write the record's registration into folder before its first run; leave the one there if the
     record is the same; SystemExit (one line) if the record changed since it was registered."""
     path, now = folder / "registration.json", registration(record)
     if path.exists():
@@ -77,10 +77,9 @@ def register(record: Record, folder: Path) -> dict:
         if old["sha256"] != now["sha256"]:
             raise SystemExit(f"python -m lab: {record.name}'s record changed since its registration on "
                              f"{old['registered']} ({path}); a changed experiment is a new one: give it a new name")
-        return dict(old, code_now=now["code_sha256"])
+        return
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(now, indent=1) + "\n")
-    return dict(now, code_now=now["code_sha256"])
 
 
 def measure(record: Record, lab: real.RealLab, log=print) -> dict:
