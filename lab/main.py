@@ -186,7 +186,7 @@ def real_lab(args, out: Path) -> None:
     """lab/real.py's experiments on args.model: the runs left and their estimated time first;
     each finished run kept, so a second call continues where the first stopped."""
     lab = real.RealLab(out, args.model)
-    names = args.names or list(REAL)
+    names = args.names or [n for n in REAL if n not in regimes.RECORDS]     # a record runs by its name: hours each
     left, seconds = real.estimate(lab, names)
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
           f"{seconds / 3600:.1f} h on this machine with nothing else running (COST in lab/real.py)", flush=True)

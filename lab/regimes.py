@@ -1,6 +1,6 @@
 """Each report's central claim on the real model, in the report's own regime: experiments as records.
 
-    python -m lab --model smollm2-135m --out results/smollm2-135m real_001_regime_pilot
+    python -m lab --model smollm2-135m --out results/smollm2-135m real_001_regime_pilot   # by name only: hours each
 
 A record (lab/records/NAME.json) is the whole experiment: the claim, its arms (train.py flags after
 lab/real.py's COMMON), the claims tested (metric, arm, below/above, arm), alpha, the seeds, the power
