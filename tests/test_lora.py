@@ -103,8 +103,8 @@ def test_a_lora_run_starts_at_kl_0_trains_only_adapters_and_its_checkpoint_loads
     """--lora-rank 2 --beta 0.04: the first step's KL to the reference is exactly 0 (B = 0: the
     policy is the reference), later ones are not (the adapters moved, the reference did not);
     the optimizer holds the adapters alone (two tensors for each of the 7 linear layers); the
-    checkpoint's weights are the merged policy, an ordinary folder (the tiny Qwen2 written as the Llama it equals: policy.export), and its adapters
-    applied to the warm start give the same logits."""
+    checkpoint's weights are the merged policy, an ordinary folder (the tiny Qwen2 written as the
+    Llama it equals: policy.export), and its adapters applied to the warm start give the same logits."""
     import train
     from running import config
     from transformers import AutoModelForCausalLM
