@@ -54,7 +54,7 @@ EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": d
                "trust_regions_stale": trust_regions_stale, "detectors": detectors,
                "rollback": rollback, "rollback_stale": rollback_stale, "clip_inverted": clip_inverted,
                "micro_token_mean": micro_token_mean, "sampled_not_scored": sampled_not_scored}
-REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS, **regimes.EXPERIMENTS}     # on a real model (--model): lab/real*.py
+REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS, **regimes.EXPERIMENTS}   # --model: lab/real*.py, lab/regimes.py
 NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 
 
