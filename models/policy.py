@@ -280,7 +280,7 @@ def export(model, tok, folder: Path) -> None:
     tok.save_pretrained(folder)
     if model.config.model_type != "qwen2" or type(tok).__name__ not in GENERIC_TOKENIZERS:
         return
-    q = Qwen2Config.from_pretrained(folder)
+    q = model.config
     shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "hidden_act", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
               "rope_parameters", "pad_token_id", "bos_token_id", "eos_token_id")
