@@ -134,10 +134,11 @@ def main(argv=None):
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
     # --jobs 1 runs every seed in this process, one after another; more jobs run seeds side by
     # side in worker processes started once (compare.pool), each with 1 CPU thread on 2 cores
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                   help="run each setting's seeds in this many worker processes (default: 2, or 1 on one core)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="run each setting's seeds in this many worker processes (default: 2, or 1 on one core); "
+                        "with --model, this many runs at a time (default 1: a SmolLM2 run fills a laptop)")
     args = p.parse_args(argv)
-    if args.jobs < 1:
+    if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.block == 2 and args.model:
         p.error("--block 2 is for the tiny model's lab, not --model")
@@ -166,7 +167,7 @@ def main(argv=None):
     blocked = [n for n in names if (out / n).exists() and not (out / n).is_dir()]
     if blocked:
         p.error(f"--out: {str(out / blocked[0])!r} is a file where the experiment's folder goes; move it")
-    lab = Lab(out, args.quick, args.model, args.jobs, args.block)
+    lab = Lab(out, args.quick, args.model, args.jobs or min(2, os.cpu_count() or 1), args.block)
     transformers.utils.logging.disable_progress_bar()    # loading the tiny model here (batch_size): no bars
     t_all = time.time()
     for name in names:
@@ -185,12 +186,15 @@ def main(argv=None):
 def real_lab(args, out: Path) -> None:
     """lab/real.py's experiments on args.model: the runs left and their estimated time first;
     each finished run kept, so a second call continues where the first stopped."""
-    lab = real.RealLab(out, args.model)
+    lab = real.RealLab(out, args.model, jobs=args.jobs or 1)
     names = args.names or [n for n in REAL if n not in regimes.RECORDS]     # a record runs by its name: hours each
     left, seconds = real.estimate(lab, names)
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
-          f"{seconds / 3600:.1f} h on this machine with nothing else running (COST in lab/real.py)", flush=True)
+          f"{seconds / 3600:.1f} h on this machine with nothing else running, one at a time (COST in lab/real.py)",
+          flush=True)
     t_all = time.time()
+    if lab.jobs > 1:
+        real.run_pending(lab, names)
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)

@@ -16,7 +16,11 @@ import dataclasses
 import json
 import shlex
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import warm_start
@@ -116,8 +120,8 @@ WARM_START_SECONDS = {"dsl": 240, "tools": 450}
 class RealLab:
     """Where the runs go (root/NAME/runs/LABEL/sSEED) and the model they run on."""
 
-    def __init__(self, root: Path, model: str, seeds: int = SEEDS):
-        self.root, self.model, self.seeds = Path(root), model, seeds
+    def __init__(self, root: Path, model: str, seeds: int = SEEDS, jobs: int = 1):
+        self.root, self.model, self.seeds, self.jobs = Path(root), model, seeds, jobs
 
     def seeds_of(self, name: str) -> int:
         """Seeds per setting: the lab's, or a powered experiment's own (POWERED), or a record's."""
@@ -147,12 +151,61 @@ class RealLab:
             out.rename(aside)
             log(f"  {name}: {label}, seed {seed}: the run there was made with other flags; kept as {aside.name}")
         t0 = time.time()
-        summary = compare.run_one(argv + ["--overwrite"], compare.Launch(alone=ALONE))
+        summary = compare.run_one(argv + ["--overwrite"], compare.Launch(self.jobs, alone=ALONE))
         log(f"  {name}: {label}, seed {seed}: done in {time.time() - t0:.0f} s")
         return summary
 
     def runs(self, name: str, label: str, log=print) -> list:
         return [self.run(name, label, seed, log) for seed in self.seeds_in(name)]
+
+
+def run_pending(lab: RealLab, names: list, log=print) -> None:
+    """Every run of names not yet kept, lab.jobs at a time (each a train.py process of its own, with
+    cpu_count // jobs threads), the longest first, before the experiments read them. On a GPU one
+    SmolLM2 run leaves it mostly idle; 8 at once fill it. Each warm start is built once first, so
+    that the runs load it rather than all build it. A run that fails is said in one line and left
+    to the experiment, which runs it again alone. A second stage ({stage1}) waits for its first."""
+    pending = sorted(((n, label, seed) for n in names for label in SETTINGS.get(n, {}) for seed in lab.seeds_in(n)
+                      if "{stage1}" not in SETTINGS[n][label] and finished(lab.argv(n, label, seed)) is None),
+                     key=lambda run: -modelled(flags(lab.argv(*run))))
+    if not pending:
+        return
+    for argv in {warm_key(lab.argv(*run)): lab.argv(*run) for run in pending}.values():
+        warm_up(argv, log)
+    log(f"  {len(pending)} runs, {lab.jobs} at a time")
+
+    def one(run):
+        try:
+            lab.run(*run, log)
+        except RuntimeError as e:                    # (Ctrl-C ends the lab: KeyboardInterrupt is not caught)
+            log(f"  {run[0]}: {run[1]}, seed {run[2]} failed: {str(e)[:300]}")
+    pool = ThreadPoolExecutor(lab.jobs)
+    try:
+        list(pool.map(one, pending))
+    finally:                                         # Ctrl-C: the runs in flight end cleanly, none queued starts
+        pool.shutdown(cancel_futures=True)
+
+
+def warm_key(argv: list) -> tuple:
+    c = flags(argv)
+    return c["model"], c["task"], c["sft_steps"], c["sft_difficulty"]
+
+
+def warm_up(argv: list, log=print) -> None:
+    """Build and cache the warm start argv's run starts from (models/policy.load), in a process of
+    its own on the device the run would use, and nothing more."""
+    code = ("import sys, torch, tasks; from running import config; from models import policy; "
+            "cfg = config.parse_config(sys.argv[1:]); "
+            "cuda = cfg.device == 'cuda' or (cfg.device == 'auto' and torch.cuda.is_available()); "
+            "policy.load(cfg, tasks.TASKS[cfg.task], 'cuda' if cuda else 'cpu', lambda *a: None)")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        i = argv.index("--out")
+        done = subprocess.run([sys.executable, "-c", code, *argv[:i + 1], tmp, *argv[i + 2:], "--overwrite"],
+                              cwd=Path(__file__).parent.parent, capture_output=True, text=True)
+    tail = (done.stderr.strip().splitlines() or [""])[-1]
+    log(f"  warm start of {' '.join(map(str, warm_key(argv)[1:]))}: " +
+        (f"ready in {time.time() - t0:.0f} s" if done.returncode == 0 else f"failed ({tail[:200]}); each run builds its own"))
 
 
 def result(out: Path) -> dict | None:

@@ -89,3 +89,26 @@ def test_off_format_end_is_a_rate_whose_permutation_test_is_fishers_exact_test()
     b = [regimes.value({"eval_valid_rate_end": v}, "off_format_end") for v in (0.9, 0.97, 0.3, 0.25, 1.0, 0.1)]
     assert a == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0] and sum(b) == 1.0                   # 0.25 itself is on the format
     assert regimes.one_sided("above", a, b) == pytest.approx(stats.fisher(4, 6, 1, 6), abs=1e-12)
+
+
+def test_jobs_runs_every_pending_run_once_longest_first_each_warm_start_built_once_and_a_failure_survived(
+        tmp_path, monkeypatch):
+    settings = {"a": "--k 2 --batch 3 --steps 30", "b": "--k 8 --batch 3 --steps 90", "c": "--task tools --k 2 --batch 1 --steps 2",
+                "second stage": "--steps 30 --init-from {stage1}"}
+    monkeypatch.setitem(real.SETTINGS, "fake", settings)
+    monkeypatch.setitem(real.SEED_RANGES, "fake", range(100, 102))
+    warmed, ran, said = [], [], []
+    monkeypatch.setattr(real, "warm_up", lambda argv, log: warmed.append(real.warm_key(argv)))
+
+    class Lab(real.RealLab):
+        def run(self, name, label, seed, log=print):
+            ran.append((label, seed))
+            if (label, seed) == ("a", 101):
+                raise RuntimeError("train.py exited 1: out of memory")
+    real.run_pending(Lab(tmp_path, model="", jobs=1), ["fake"], said.append)
+    # the naive plan: every (label, seed) but the second stage, ordered by the modelled seconds, longest first
+    plan = sorted([(label, seed) for label in "abc" for seed in (100, 101)],
+                  key=lambda r: -real.modelled(real.flags(Lab(tmp_path, "").argv("fake", *r))))
+    assert ran == plan and ran[0][0] == "b"
+    assert sorted(warmed) == [("", "dsl", -1, 1), ("", "tools", -1, 1)]
+    assert any("a, seed 101 failed: train.py exited 1: out of memory" in line for line in said)
