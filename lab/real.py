@@ -231,7 +231,8 @@ def finished(argv: list) -> dict | None:
     wanted = flags(argv)
     # a flag added after the run was made is not in its config.json: it ran with that flag's default
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
-    same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in config.NOT_IN_RESULTS)
+    # its folder is out whether it was named from here or by an absolute path (a lab run from another checkout)
+    same = all(saved.get(k, defaults[k]) == v for k, v in wanted.items() if k not in (*config.NOT_IN_RESULTS, "out"))
     return summary if same else None
 
 

@@ -80,6 +80,18 @@ def test_a_run_made_before_a_flag_existed_is_kept_when_that_flag_is_at_its_defau
     assert real.finished(lab.argv("real_group_size", "K=2, B=3", 0)) is not None
 
 
+def test_a_run_whose_config_names_its_folder_by_another_path_is_kept(lab):
+    """A lab run from another checkout, or with an absolute --out, saves its folder under another
+    name; the folder is the one the lab reads it from, so the run is the same and is kept."""
+    lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
+    path = lab.out("real_group_size", "K=2, B=3", 0) / "config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(saved, out="/elsewhere/" + saved["out"])))
+    assert real.finished(lab.argv("real_group_size", "K=2, B=3", 0)) is not None
+    path.write_text(json.dumps(dict(saved, k=8)))
+    assert real.finished(lab.argv("real_group_size", "K=2, B=3", 0)) is None, "another flag still makes it another run"
+
+
 def test_a_setting_whose_flags_changed_runs_again(lab, monkeypatch):
     lab.run("real_group_size", "K=2, B=3", 0, log=lambda s: None)
     lab.calls.clear()
