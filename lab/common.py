@@ -1,7 +1,6 @@
 """What every experiment of the lab shares: where it writes, how it shrinks for --quick or scales
 for a real model, and a few means."""
 import gzip
-import json
 import platform
 import re
 import statistics
@@ -10,7 +9,6 @@ from pathlib import Path
 
 from lab import compare
 from running import report
-from tasks import workflow_task
 
 SEEDS, QUICK_SEEDS = 6, 2
 # Most experiments evaluate every 20 steps (the lab's time, docs/lab-notebook.md): an evaluation has
@@ -112,35 +110,6 @@ def end(runs, key):
 
 def metric_rows(run: dict) -> list:
     return report.read_metrics(run["out"])
-
-
-def one_answer_census(root: Path) -> dict:
-    """Lesson 10's counts over root's DSL runs that log 16 held-out samples an evaluation (the
-    3-seed experiments; the powered ones log 64): how many end with one text for every logged
-    held-out sample, whose best workflow that text is, at which evaluation it first happened,
-    their last five steps' share of groups with one reward and token entropy, and how many end
-    at held-out best 0.25 without being quite one text."""
-    owner = {text: ptype for ptype, text in workflow_task.BEST_WORKFLOW.items()}
-    out = {"runs": 0, "one_text": 0, "by_type": {}, "first_step": [], "quarter_not_one": 0, "zero_std": [],
-           "entropy": []}
-    for summary in sorted(root.glob("*/runs/*/s*/summary.json")):
-        cfg = json.loads((summary.parent / "config.json").read_text())
-        if cfg["task"] != "dsl" or cfg["eval_prompts"] * cfg["eval_samples"] != 16:
-            continue
-        rows = [json.loads(line) for line in (summary.parent / "samples.jsonl").read_text().splitlines()]
-        evals = [(r["step"], {x["text"] for x in r["samples"]}) for r in rows if r["split"] == "eval"]
-        out["runs"] += 1
-        if len(evals[-1][1]) == 1:
-            out["one_text"] += 1
-            kind = owner.get(next(iter(evals[-1][1])), "none")
-            out["by_type"][kind] = out["by_type"].get(kind, 0) + 1
-            out["first_step"].append(next(step for step, texts in evals if len(texts) == 1))
-            last = report.read_metrics(summary.parent)[-5:]          # its last five steps
-            out["zero_std"].append(mean(r.get("frac_reward_zero_std") for r in last))
-            out["entropy"].append(mean(r.get("entropy") for r in last))
-        elif json.loads(summary.read_text())["eval_best_rate_end"] == 0.25:
-            out["quarter_not_one"] += 1
-    return out
 
 
 def commit() -> str:

@@ -160,19 +160,13 @@ class RealLab:
 
 
 def run_pending(lab: RealLab, names: list, log=print) -> None:
-    """Every run of names not yet kept, lab.jobs at a time (each a train.py process of its own, with
-    cpu_count // jobs threads), the longest first, before the experiments read them. On a GPU one
-    SmolLM2 run leaves it mostly idle; 8 at once fill it. Each warm start is built once first, so
-    that the runs load it rather than all build it. A run that fails is said in one line and left
-    to the experiment, which runs it again alone. A second stage ({stage1}) waits for its first."""
+    """Every run of names not yet kept, lab.jobs at a time, longest first (a GPU: 8 SmolLM2 runs fill it), each
+    warm start built once first; a failed run said in one line (its experiment reruns it); {stage1} waits."""
     pending = sorted(((n, label, seed) for n in names for label in SETTINGS.get(n, {}) for seed in lab.seeds_in(n)
                       if "{stage1}" not in SETTINGS[n][label] and finished(lab.argv(n, label, seed)) is None),
                      key=lambda run: -modelled(flags(lab.argv(*run))))
-    if not pending:
-        return
     for argv in {warm_key(lab.argv(*run)): lab.argv(*run) for run in pending}.values():
         warm_up(argv, log)
-    log(f"  {len(pending)} runs, {lab.jobs} at a time")
 
     def one(run):
         try:
@@ -187,25 +181,20 @@ def run_pending(lab: RealLab, names: list, log=print) -> None:
 
 
 def warm_key(argv: list) -> tuple:
-    c = flags(argv)
-    return c["model"], c["task"], c["sft_steps"], c["sft_difficulty"]
+    return tuple(flags(argv)[k] for k in ("model", "task", "sft_steps", "sft_difficulty"))
 
 
 def warm_up(argv: list, log=print) -> None:
-    """Build and cache the warm start argv's run starts from (models/policy.load), in a process of
-    its own on the device the run would use, and nothing more."""
+    """Build and cache the warm start of argv's run (models/policy.load), in a process of its own."""
     code = ("import sys, torch, tasks; from running import config; from models import policy; "
-            "cfg = config.parse_config(sys.argv[1:]); "
-            "cuda = cfg.device == 'cuda' or (cfg.device == 'auto' and torch.cuda.is_available()); "
-            "policy.load(cfg, tasks.TASKS[cfg.task], 'cuda' if cuda else 'cpu', lambda *a: None)")
-    t0 = time.time()
+            "cfg = config.parse_config(sys.argv[1:]); cuda = cfg.device == 'cuda' or (cfg.device == 'auto' and "
+            "torch.cuda.is_available()); policy.load(cfg, tasks.TASKS[cfg.task], 'cuda' if cuda else 'cpu', print)")
+    t0, i = time.time(), argv.index("--out")
     with tempfile.TemporaryDirectory() as tmp:
-        i = argv.index("--out")
         done = subprocess.run([sys.executable, "-c", code, *argv[:i + 1], tmp, *argv[i + 2:], "--overwrite"],
                               cwd=Path(__file__).parent.parent, capture_output=True, text=True)
-    tail = (done.stderr.strip().splitlines() or [""])[-1]
-    log(f"  warm start of {' '.join(map(str, warm_key(argv)[1:]))}: " +
-        (f"ready in {time.time() - t0:.0f} s" if done.returncode == 0 else f"failed ({tail[:200]}); each run builds its own"))
+    log(f"  warm start of {' '.join(map(str, warm_key(argv)[1:]))}: " + (f"ready in {time.time() - t0:.0f} s" if
+        done.returncode == 0 else f"failed ({(done.stderr.strip().splitlines() or [''])[-1][:200]}); each run builds its own"))
 
 
 def result(out: Path) -> dict | None:

@@ -62,7 +62,7 @@ COLUMNS = {"dsl": [("held-out valid (start)", "eval_valid_rate_start"), ("held-o
 def registration(record: Record) -> dict:
     """What registers a record: the sha256 of its text and of its deciding code, the commit, the date."""
     text = repr(record)
-    code = "".join(inspect.getsource(f) for f in (measure, value, one_sided)) + f"OFF_FORMAT = {OFF_FORMAT}"
+    code = "".join(inspect.getsource(f) for f in (measure, value, one_sided, device)) + f"OFF_FORMAT = {OFF_FORMAT}"
     sha = lambda s: hashlib.sha256(s.encode()).hexdigest()[:16]
     return {"text": text, "sha256": sha(text), "code_sha256": sha(code), "commit": commit(),
             "registered": time.strftime("%Y-%m-%d")}
@@ -92,15 +92,23 @@ def measure(record: Record, lab: real.RealLab, log=print) -> dict:
     shown = "; ".join(f"{metric}: " + ", ".join(f"{label} {compare.spread(values(metric, label))}" for label in runs)
                       for metric in dict.fromkeys([*SHOWN[task], *(t[0] for t in record.tests)]))
     verdicts, tested = [], []
-    for metric, arm, relation, other in record.tests:
+    # a comparison holds one machine's numerics: a GPU run (bf16, CUDA's sampler) started elsewhere than a CPU run
+    devices = sorted({device(r) for rs in runs.values() for r in rs})
+    for metric, arm, relation, other in record.tests * (len(devices) == 1):
         p = one_sided(relation, values(metric, arm), values(metric, other))
         claim = f"{metric}: {arm} {relation} {other}"
         tested.append(f"{claim}, one-sided permutation p = {stats.p_value(p)}")
         verdicts.append(f"{claim}: {stats.decide(p, record.alpha)}")
     return dict(report=record.report, figure=f"{record.name}/compare.png", claim=record.claim,
-                measured=f"seeds {record.seeds.start}-{record.seeds.stop - 1}, {len(record.seeds)} an arm: {shown}; "
+                measured=f"seeds {record.seeds.start}-{record.seeds.stop - 1}, {len(record.seeds)} an arm, on "
+                         f"{' and '.join(devices)}: {shown}; "
                          + "".join(f"{t}; " for t in tested) + real.at_warm_start(runs),
-                verdict="; ".join(verdicts) or "a pilot (no verdict)")
+                verdict="; ".join(verdicts) or ("a pilot (no verdict)" if len(devices) == 1 else
+                                                 f"no verdict: its runs ran on {' and '.join(devices)}, not one device"))
+
+
+def device(run: dict) -> str:      # cpu or cuda: where a run ran
+    return json.loads((Path(run["out"]) / "config.json").read_text()).get("ran_on", "?").split()[0]
 
 
 RECORDS_DIR = Path(__file__).parent / "records"

@@ -128,11 +128,6 @@ def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = 
     return next(n for n in itertools.count(2) if detectable_mean(sd, n, n, power, alpha) <= effect)
 
 
-def binomial_se(p: float, samples: int) -> float:
-    """The standard error of a held-out rate measured on `samples` samples: sqrt(p (1 - p) / n)."""
-    return math.sqrt(p * (1 - p) / samples)
-
-
 def decide(p: float, alpha: float = ALPHA) -> str:
     """A claim's one-sided test read as a verdict word: its effect is seen, or the test cannot
     tell (never "refuted" from p alone: that needs the design's power, said beside it)."""

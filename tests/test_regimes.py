@@ -19,10 +19,13 @@ class FakeLab(real.RealLab):
     def __init__(self, root, values):
         super().__init__(root, model="")
         self.values, self.asked = values, []
+        self.ran_on = lambda label, seed: "cpu (1 thread)"
 
     def run(self, name, label, seed, log=print):
         self.asked.append((label, seed))
         valid, crash = self.values[label][seed - 100]
+        (self.root / label / str(seed)).mkdir(parents=True, exist_ok=True)
+        (self.root / label / str(seed) / "config.json").write_text(json.dumps({"ran_on": self.ran_on(label, seed)}))
         return dict(eval_valid_rate_end=valid, eval_fallback_rate_end=1 - valid, crash_rate=crash, crash_floor=0.1,
                     out=str(self.root / label / str(seed)), seconds=1.0)
 
@@ -55,8 +58,10 @@ def test_a_record_is_registered_before_its_first_run_and_a_changed_one_is_refuse
     monkeypatch.setattr(real, "at_warm_start", lambda runs: "")
     fake = FakeLab(tmp_path, {"a": [(0.5, 0.1)] * 2, "b": [(0.5, 0.1)] * 2})
     seen = []
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"ran_on": "cpu (1 thread)"}))
     monkeypatch.setattr(fake, "run", lambda *a, **k: seen.append((tmp_path / "fake" / "registration.json").exists())
-                        or dict(eval_valid_rate_end=0.5, crash_rate=0.1, crash_floor=0.1, out=""))
+                        or dict(eval_valid_rate_end=0.5, crash_rate=0.1, crash_floor=0.1, out=str(tmp_path / "run")))
     assert regimes.measure(record(), fake)["verdict"] == "a pilot (no verdict)"
     assert seen and all(seen)                                  # the registration was there before the first run
     regimes.measure(record(), fake)                            # the same record runs again
@@ -112,3 +117,19 @@ def test_jobs_runs_every_pending_run_once_longest_first_each_warm_start_built_on
     assert ran == plan and ran[0][0] == "b"
     assert sorted(warmed) == [("", "dsl", -1, 1), ("", "tools", -1, 1)]
     assert any("a, seed 101 failed: train.py exited 1: out of memory" in line for line in said)
+
+
+def test_a_record_whose_runs_ran_on_two_devices_gets_no_verdict(tmp_path, monkeypatch):
+    """A GPU run samples with CUDA's random numbers under bf16: the 001 pilot's warm start measured
+    valid 0.81 / fallback 0.16 there against 0.50 / 0.41 on the CPU. Arms split across devices are no comparison."""
+    monkeypatch.setattr(real, "write_table", lambda *a: None)
+    monkeypatch.setattr(real, "at_warm_start", lambda runs: "warm start")
+    values = {"a": [(0.1, 0.5), (0.2, 0.6), (0.3, 0.4), (0.2, 0.5)], "b": [(0.7, 0.1), (0.8, 0.2), (0.9, 0.1), (0.8, 0.1)]}
+    rec = record(tests=(("eval_valid_rate_end", "a", "below", "b"),), seeds=range(100, 104))
+    one = regimes.measure(rec, FakeLab(tmp_path / "one", values), log=lambda s: None)
+    assert one["verdict"] == "eval_valid_rate_end: a below b: reproduced" and "on cpu:" in one["measured"]
+    mixed = FakeLab(tmp_path / "mixed", values)
+    mixed.ran_on = lambda label, seed: "cuda (NVIDIA H200)" if label == "b" else "cpu (2 threads)"
+    two = regimes.measure(rec, mixed, log=lambda s: None)
+    assert two["verdict"] == "no verdict: its runs ran on cpu and cuda, not one device"
+    assert "permutation" not in two["measured"]

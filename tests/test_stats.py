@@ -100,7 +100,7 @@ def test_the_detectable_mean_and_the_seeds_it_needs_by_hand():
     assert stats.detectable_mean(0.2, 10, 10) == pytest.approx(2.4865 * 0.2 * math.sqrt(0.2), rel=1e-4)
     n = stats.seeds_for_mean(0.25, 0.2)
     assert stats.detectable_mean(0.2, n, n) <= 0.25 < stats.detectable_mean(0.2, n - 1, n - 1)
-    assert stats.binomial_se(0.25, 16) == pytest.approx(math.sqrt(0.25 * 0.75 / 16))       # 0.108: README's 0.11
+    assert power.binomial_se(0.25, 16) == pytest.approx(math.sqrt(0.25 * 0.75 / 16))       # 0.108: README's 0.11
 
 
 def test_the_bootstrap_interval_holds_the_observed_difference_and_is_a_point_for_constant_arms():

@@ -7,9 +7,12 @@ The tests and power functions are lab/stats.py's; this prints them over results/
 import json
 import math
 import statistics
+from pathlib import Path
 
-from lab import common
-from lab.stats import (AFTER_THE_FACT, REAL, after_the_fact, binomial_se, committed, detectable_mean,
+from tasks import workflow_task
+from lab.common import mean
+from running import report
+from lab.stats import (AFTER_THE_FACT, REAL, after_the_fact, committed, detectable_mean,
                        permutation, real_after_the_fact, seeds_for_counts, seeds_for_mean)
 
 
@@ -21,6 +24,40 @@ def toy_after_the_fact() -> None:
         for _, _, line in after_the_fact(REAL.parent, experiment):
             print(f"  {line}")
     print()
+
+
+def binomial_se(p: float, samples: int) -> float:
+    """The standard error of a held-out rate measured on `samples` samples: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1 - p) / samples)
+
+
+def one_answer_census(root: Path) -> dict:
+    """Lesson 10's counts over root's DSL runs that log 16 held-out samples an evaluation (the
+    3-seed experiments; the powered ones log 64): how many end with one text for every logged
+    held-out sample, whose best workflow that text is, at which evaluation it first happened,
+    their last five steps' share of groups with one reward and token entropy, and how many end
+    at held-out best 0.25 without being quite one text."""
+    owner = {text: ptype for ptype, text in workflow_task.BEST_WORKFLOW.items()}
+    out = {"runs": 0, "one_text": 0, "by_type": {}, "first_step": [], "quarter_not_one": 0, "zero_std": [],
+           "entropy": []}
+    for summary in sorted(root.glob("*/runs/*/s*/summary.json")):
+        cfg = json.loads((summary.parent / "config.json").read_text())
+        if cfg["task"] != "dsl" or cfg["eval_prompts"] * cfg["eval_samples"] != 16:
+            continue
+        rows = [json.loads(line) for line in (summary.parent / "samples.jsonl").read_text().splitlines()]
+        evals = [(r["step"], {x["text"] for x in r["samples"]}) for r in rows if r["split"] == "eval"]
+        out["runs"] += 1
+        if len(evals[-1][1]) == 1:
+            out["one_text"] += 1
+            kind = owner.get(next(iter(evals[-1][1])), "none")
+            out["by_type"][kind] = out["by_type"].get(kind, 0) + 1
+            out["first_step"].append(next(step for step, texts in evals if len(texts) == 1))
+            last = report.read_metrics(summary.parent)[-5:]          # its last five steps
+            out["zero_std"].append(mean(r.get("frac_reward_zero_std") for r in last))
+            out["entropy"].append(mean(r.get("entropy") for r in last))
+        elif json.loads(summary.read_text())["eval_best_rate_end"] == 0.25:
+            out["quarter_not_one"] += 1
+    return out
 
 
 def main() -> None:
@@ -40,7 +77,7 @@ def main() -> None:
     for entry in ("real_group_size", "real_entropy_collapse"):   # the tests SUMMARY.md prints beside them
         for _, _, line in real_after_the_fact(REAL, entry):
             print(f"  {line}")
-    c = common.one_answer_census(REAL)
+    c = one_answer_census(REAL)
     print(f"  SmolLM2 DSL runs ending with one text for every logged held-out sample (Lesson 10): "
           f"{c['one_text']} of {c['runs']}, by whose best workflow it is {c['by_type']}; first so at steps "
           f"{sorted(c['first_step'])}; over their last five steps, groups with one reward (median) "
