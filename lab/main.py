@@ -134,9 +134,8 @@ def main(argv=None):
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
     # --jobs 1 runs every seed in this process, one after another; more jobs run seeds side by
     # side in worker processes started once (compare.pool), each with 1 CPU thread on 2 cores
-    p.add_argument("--jobs", type=int, default=None,
-                   help="run each setting's seeds in this many worker processes (default: 2, or 1 on one core); "
-                        "with --model, this many runs at a time (default 1: a SmolLM2 run fills a laptop)")
+    p.add_argument("--jobs", type=int, help="run each setting's seeds in this many worker processes (default: 2, "
+                   "or 1 on one core); with --model, this many runs at a time (default 1: a SmolLM2 run fills a laptop)")
     args = p.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
@@ -190,11 +189,9 @@ def real_lab(args, out: Path) -> None:
     names = args.names or [n for n in REAL if n not in regimes.RECORDS]     # a record runs by its name: hours each
     left, seconds = real.estimate(lab, names)
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
-          f"{seconds / 3600:.1f} h on this machine with nothing else running, one at a time (COST in lab/real.py)",
-          flush=True)
+          f"{seconds / 3600:.1f} h here, alone, one at a time (COST in lab/real.py)", flush=True)
     t_all = time.time()
-    if lab.jobs > 1:
-        real.run_pending(lab, names)
+    lab.jobs > 1 and real.run_pending(lab, names)            # the runs left, side by side (a GPU)
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)

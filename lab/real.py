@@ -160,19 +160,24 @@ class RealLab:
 
 
 def run_pending(lab: RealLab, names: list, log=print) -> None:
-    """Every run of names not yet kept, lab.jobs at a time, longest first (a GPU: 8 SmolLM2 runs fill it), each
-    warm start built once first; a failed run said in one line (its experiment reruns it); {stage1} waits."""
+    """Every run of names not kept, lab.jobs at a time, longest first (8 SmolLM2 runs fill a GPU), each warm
+    start built once first; a failed run said in one line (its experiment reruns it); {stage1} waits."""
     pending = sorted(((n, label, seed) for n in names for label in SETTINGS.get(n, {}) for seed in lab.seeds_in(n)
                       if "{stage1}" not in SETTINGS[n][label] and finished(lab.argv(n, label, seed)) is None),
                      key=lambda run: -modelled(flags(lab.argv(*run))))
     for argv in {warm_key(lab.argv(*run)): lab.argv(*run) for run in pending}.values():
         warm_up(argv, log)
 
+    stopped = []                                     # a run stopped by Ctrl-C (or SIGINT): start no other
+
     def one(run):
         try:
-            lab.run(*run, log)
-        except RuntimeError as e:                    # (Ctrl-C ends the lab: KeyboardInterrupt is not caught)
+            stopped or lab.run(*run, log)
+        except RuntimeError as e:
             log(f"  {run[0]}: {run[1]}, seed {run[2]} failed: {str(e)[:300]}")
+        except KeyboardInterrupt:
+            stopped.append(run)
+            raise
     pool = ThreadPoolExecutor(lab.jobs)
     try:
         list(pool.map(one, pending))

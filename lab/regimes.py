@@ -92,7 +92,6 @@ def measure(record: Record, lab: real.RealLab, log=print) -> dict:
     shown = "; ".join(f"{metric}: " + ", ".join(f"{label} {compare.spread(values(metric, label))}" for label in runs)
                       for metric in dict.fromkeys([*SHOWN[task], *(t[0] for t in record.tests)]))
     verdicts, tested = [], []
-    # a comparison holds one machine's numerics: a GPU run (bf16, CUDA's sampler) started elsewhere than a CPU run
     devices = sorted({device(r) for rs in runs.values() for r in rs})
     for metric, arm, relation, other in record.tests * (len(devices) == 1):
         p = one_sided(relation, values(metric, arm), values(metric, other))
@@ -107,7 +106,7 @@ def measure(record: Record, lab: real.RealLab, log=print) -> dict:
                                                  f"no verdict: its runs ran on {' and '.join(devices)}, not one device"))
 
 
-def device(run: dict) -> str:      # cpu or cuda: where a run ran
+def device(run: dict) -> str:      # cpu or cuda: a record's runs on both get no verdict (numerics differ)
     return json.loads((Path(run["out"]) / "config.json").read_text()).get("ran_on", "?").split()[0]
 
 

@@ -133,3 +133,19 @@ def test_a_record_whose_runs_ran_on_two_devices_gets_no_verdict(tmp_path, monkey
     two = regimes.measure(rec, mixed, log=lambda s: None)
     assert two["verdict"] == "no verdict: its runs ran on cpu and cuda, not one device"
     assert "permutation" not in two["measured"]
+
+
+def test_jobs_starts_no_run_after_one_was_stopped_by_ctrl_c(tmp_path, monkeypatch):
+    monkeypatch.setitem(real.SETTINGS, "fake", {"a": "--steps 30", "b": "--steps 20", "c": "--steps 10"})
+    monkeypatch.setitem(real.SEED_RANGES, "fake", range(100, 101))
+    monkeypatch.setattr(real, "warm_up", lambda argv, log: None)
+    ran = []
+
+    class Lab(real.RealLab):
+        def run(self, name, label, seed, log=print):
+            ran.append(label)
+            if label == "b":
+                raise KeyboardInterrupt("SIGINT")
+    with pytest.raises(KeyboardInterrupt):
+        real.run_pending(Lab(tmp_path, model="", jobs=1), ["fake"], lambda s: None)
+    assert ran == ["a", "b"], "c was queued behind the stopped run and never started"
