@@ -18,12 +18,14 @@ def evaluations(run: Path) -> list:
 
 
 @pytest.mark.lesson
-def test_smollm2_collapses_onto_one_workflow_for_every_prompt_and_it_scores_exactly_a_quarter():
-    """Every committed SmolLM2 DSL run whose logged held-out samples at the end are one text
-    ends at held-out best exactly 1/4: that text is the best workflow of exactly one of the four
-    problem types, whatever the prompt asks, and the held-out prompts hold the four types
-    equally (8 each of 32; the lab's 8 prompts, 2 of each). The warm start, a frozen policy,
-    never writes one text for every prompt (step 0 of the runs that start from it)."""
+def test_smollm2_collapses_onto_one_text_for_every_prompt_scoring_a_quarter_per_type_it_is_best_for():
+    """Every committed SmolLM2 DSL run whose logged held-out samples at the end are one text ends at
+    held-out best exactly (the problem types whose best workflow that text is) / 4, whatever the
+    prompt asks: the held-out prompts hold the four types equally (8 each of 32; the lab's 8
+    prompts, 2 of each). At the lab's lrs the text was always one type's best workflow (1/4); the
+    unclipped lr 2e-4 of report 002's calibration also ended on "Custom" (valid, no type's best)
+    and on the empty answer: 0. The warm start, a frozen policy, never writes one text for every
+    prompt (step 0 of the runs that start from it)."""
     types = [p["type"] for p in workflow_task.prompts("eval")]
     assert all(Fraction(types.count(t), len(types)) == Fraction(1, 4) for t in workflow_task.TYPES)
     owner = {}
@@ -41,6 +43,6 @@ def test_smollm2_collapses_onto_one_workflow_for_every_prompt_and_it_scores_exac
         last = set(evals[-1][1])
         if len(last) == 1:
             collapsed += 1
-            assert len(owner.get(last.pop(), [])) == 1, f"{run}: one text, not one type's best workflow"
-            assert json.loads(summary.read_text())["eval_best_rate_end"] == 0.25, run
+            best_for = len(owner.get(last.pop(), []))
+            assert best_for <= 1 and json.loads(summary.read_text())["eval_best_rate_end"] == best_for / 4, run
     assert collapsed > 0
