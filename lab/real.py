@@ -14,6 +14,7 @@ verdict's rule is written next to it, before the first run, and not changed afte
 """
 import dataclasses
 import json
+import re
 import shlex
 import statistics
 import subprocess
@@ -22,17 +23,20 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from threading import Lock
 
 import warm_start
 from lab import compare, stats
 from lab.common import COLLAPSED, mean
-from running import config, report
+from running import checkpoint, config, report
 
 SEEDS = 3
 POWERED = {"real_k_fair": 10, "real_entropy_held": 10, "real_lora": 10,    # seeds per setting, by the power analysis
            "real_rollback": 10, "real_lora_k2": 10, "real_rollback_epochs": 10}
 COMMON = "--fast --lr 2e-5 --eval-every 5 --eval-prompts 8 --eval-samples 2"
 SEED_RANGES = {}      # the seeds of lab/regimes.py's records (else 0 .. seeds_of - 1)
+START = re.compile(r"\{(stage1|real_\w+)\}")   # in flags: the run whose weights a run begins from (RealLab.start)
+STARTING = Lock()                      # a start is made once, by the first run that needs it (--jobs: the others wait)
 ALONE = True          # each run a process of its own: its memory freed when it ends, its peak its own
 
 # (experiment, label) -> train.py flags ({stage1}: that seed's stage-1 run). Micro-batches of
@@ -134,17 +138,25 @@ class RealLab:
         return self.root / name / "runs" / compare.slug(label) / f"s{seed}"
 
     def argv(self, name: str, label: str, seed: int) -> list:
-        chosen = SETTINGS[name][label].replace("{stage1}", str(self.out(name, "RCE (stage 1)", seed)))
+        chosen = START.sub(lambda m: str(self.out(*self.start(m[1], name, seed))), SETTINGS[name][label])
         return shlex.split(f"{COMMON} {chosen}" + (f" --model {self.model}" if self.model else "")) + \
             ["--seed", str(seed), "--out", str(self.out(name, label, seed)), "--quiet"]
 
+    def start(self, ref: str, name: str, seed: int) -> tuple:
+        """{stage1}: this seed's RCE (stage 1) run; {real_NAME}: NAME's first arm at its first seed (one start all share)."""
+        return (name, "RCE (stage 1)", seed) if ref == "stage1" else (ref, next(iter(SETTINGS[ref])), self.seeds_in(ref)[0])
+
     def run(self, name: str, label: str, seed: int, log=print) -> dict:
         """The run's summary: kept from an earlier lab when it finished with these flags, else
-        run now (from its beginning: --overwrite replaces what an interrupted one left)."""
+        run now (from its beginning: --overwrite replaces what an interrupted one left), after its
+        start, made again when its checkpoint is gone (weights are not committed)."""
         argv = self.argv(name, label, seed)
         kept = finished(argv)
         if kept is not None:
             return kept
+        for start in (self.start(ref, name, seed) for ref in START.findall(SETTINGS[name][label])):
+            with STARTING:
+                any((self.out(*start) / "checkpoints").glob("step-*")) or self.make_start(start, log)
         out = self.out(name, label, seed)
         if result(out) is not None:           # a result of other flags: kept aside, not overwritten
             aside = out.with_name(f"{out.name}.other-flags-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -155,15 +167,28 @@ class RealLab:
         log(f"  {name}: {label}, seed {seed}: done in {time.time() - t0:.0f} s")
         return summary
 
+    def make_start(self, start: tuple, log=print) -> None:
+        """Run start again (weights are not committed); kept runs that began from other weights are
+        set aside (renamed) and run again from these: one comparison, one start."""
+        compare.run_one(self.argv(*start) + ["--overwrite"], compare.Launch(self.jobs, alone=ALONE))
+        sha = checkpoint.weights_sha256(checkpoint.starting_point(self.out(*start)))
+        for c in self.root.glob("*/runs/*/s*/config.json"):
+            began = json.loads(c.read_text()).get("init_from_checkpoint") or {}
+            if f"{start[0]}/runs/{compare.slug(start[1])}/s{start[2]}/" in began.get("path", "") and \
+                    began["sha256"] != sha and c.parent.name.isalnum():
+                c.parent.rename(c.parent.with_name(f"{c.parent.name}.other-start-{began['sha256'][:8]}"))
+                log(f"  {c.parent}: began from other weights than {start[0]} made again; set aside")
+
     def runs(self, name: str, label: str, log=print) -> list:
         return [self.run(name, label, seed, log) for seed in self.seeds_in(name)]
 
 
 def run_pending(lab: RealLab, names: list, log=print) -> None:
     """Every run of names not kept, lab.jobs at a time, longest first (8 SmolLM2 runs fill a GPU), each warm
-    start built once first; a failed run said in one line (its experiment reruns it); {stage1} waits."""
-    pending = sorted(((n, label, seed) for n in names for label in SETTINGS.get(n, {}) for seed in lab.seeds_in(n)
-                      if "{stage1}" not in SETTINGS[n][label] and finished(lab.argv(n, label, seed)) is None),
+    start built once first; a failed run said in one line (its experiment reruns it); a start made by its first taker."""
+    runs = [(n, label, seed) for n in names for label in SETTINGS.get(n, {}) for seed in lab.seeds_in(n)]
+    starts = {lab.start(ref, n, seed) for n, label, seed in runs for ref in START.findall(SETTINGS[n][label])}
+    pending = sorted((run for run in runs if run not in starts and finished(lab.argv(*run)) is None),
                      key=lambda run: -modelled(flags(lab.argv(*run))))
     for argv in {warm_key(lab.argv(*run)): lab.argv(*run) for run in pending}.values():
         warm_up(argv, log)
@@ -241,14 +266,6 @@ def flags(argv: list) -> dict:
     return dict(vars(config.parse_config(argv[:i] + argv[i + 2:])), init_from=argv[i + 1])
 
 
-def needs_stage1_again(lab: RealLab, seed: int) -> bool:
-    """RCE -> GRPO starts from stage 1's checkpoint, which is not committed (542 MB): when a
-    later session finds stage 1 kept but its checkpoint gone and stage 2 not done, stage 1 runs again."""
-    stage1 = lab.out("real_rce_grpo", "RCE (stage 1)", seed)
-    return finished(lab.argv("real_rce_grpo", "RCE -> GRPO", seed)) is None and \
-        not any((stage1 / "checkpoints").glob("step-*"))
-
-
 def estimate(lab: RealLab, names: list) -> tuple[int, float]:
     """(runs left, their estimated seconds on a quiet machine): each run's modelled seconds, and
     a warm start per task with runs left (counted once, though it may be cached already)."""
@@ -256,8 +273,7 @@ def estimate(lab: RealLab, names: list) -> tuple[int, float]:
     for name in names:
         for label in SETTINGS.get(name, {}):
             for seed in lab.seeds_in(name):
-                if finished(lab.argv(name, label, seed)) is not None and not (
-                        label == "RCE (stage 1)" and needs_stage1_again(lab, seed)):
+                if finished(lab.argv(name, label, seed)) is not None:
                     continue
                 c = flags(lab.argv(name, label, seed))
                 left += 1
@@ -547,9 +563,6 @@ def real_tools(lab: RealLab, log=print) -> dict:
 
 def real_rce_grpo(lab: RealLab, log=print) -> dict:
     """RCE-only vs RCE -> GRPO vs GRPO-only, composite reward, on SmolLM2 (report 003)."""
-    for seed in range(lab.seeds):                   # stage 1's checkpoint is not committed
-        if needs_stage1_again(lab, seed):
-            compare.run_one(lab.argv("real_rce_grpo", "RCE (stage 1)", seed) + ["--overwrite"], compare.Launch(alone=ALONE))
     runs = {label: lab.runs("real_rce_grpo", label, log) for label in SETTINGS["real_rce_grpo"]}
     write_table(lab, "real_rce_grpo", runs, [
         ("held-out best (end)", "eval_best_rate_end"), ("held-out best (best eval)", "eval_best_rate_best"),

@@ -13,7 +13,7 @@ effect a design can detect.
 Every test here is one-sided: a report's claim names its direction ("K=8 learns more"), and a
 difference the other way is no evidence for it. A verdict reads p < ALPHA as the claim's effect,
 and p >= ALPHA as "inconclusive", not as its absence, unless the design could have seen it:
-`fisher_power` and `detectable_mean` say what it could. With 3 runs an arm no test reaches
+`detectable_mean` says what it could (and tools/power.py's `fisher_power`, `seeds_for_counts`, `seeds_for_mean`). With 3 runs an arm no test reaches
 p < 0.05 (the smallest one-sided p of three runs against three is 1 / C(6, 3) = 0.05), so a
 three-seed comparison is inconclusive whatever it shows.
 
@@ -93,25 +93,6 @@ def bootstrap(x: list, y: list, level: float = 0.95, seed: int = 0) -> tuple[flo
 
 # ---- what a design can see ----
 
-def fisher_power(p1: float, p2: float, n1: int, n2: int, alpha: float = ALPHA) -> float:
-    """P(fisher(a, n1, b, n2) < alpha) when arm 1's runs succeed with probability p1 and arm
-    2's with p2: every (a, b) with its binomial probability, enumerated."""
-    def pmf(k, n, p):
-        return math.comb(n, k) * p ** k * (1 - p) ** (n - k)
-    return sum(pmf(a, n1, p1) * pmf(b, n2, p2) for a in range(n1 + 1) for b in range(n2 + 1)
-               if fisher(a, n1, b, n2) < alpha)
-
-
-def seeds_for_counts(p1: float, p2: float, power: float = 0.8, most: int = 200) -> int | None:
-    """The fewest runs an arm (both arms alike) for Fisher's test to see p1 above p2 with this
-    power; None past `most`. Power is not monotone in n for an exact test: the first n that
-    reaches it and keeps it for the next two is taken."""
-    for n in range(2, most + 1):
-        if all(fisher_power(p1, p2, m, m) >= power for m in (n, n + 1, n + 2)):
-            return n
-    return None
-
-
 def detectable_mean(sd: float, n1: int, n2: int, power: float = 0.8, alpha: float = ALPHA) -> float:
     """The smallest difference of means a one-sided test of two arms of n1 and n2 runs, each
     with standard deviation sd, detects with this power (normal approximation:
@@ -121,11 +102,6 @@ def detectable_mean(sd: float, n1: int, n2: int, power: float = 0.8, alpha: floa
         return math.inf
     z = statistics.NormalDist().inv_cdf
     return (z(1 - alpha) + z(power)) * sd * math.sqrt(1 / n1 + 1 / n2)
-
-
-def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = ALPHA) -> int:
-    """Runs an arm for detectable_mean to reach effect."""
-    return next(n for n in itertools.count(2) if detectable_mean(sd, n, n, power, alpha) <= effect)
 
 
 def decide(p: float, alpha: float = ALPHA) -> str:

@@ -158,6 +158,16 @@ def test_every_committed_smollm2_run_is_kept_by_todays_lab(monkeypatch):
     assert real.estimate(committed, [name for name in real.SETTINGS if name in done]) == (0, 0.0)
 
 
+def rollback_verdict(ended: int, n: int, back: int, m: int) -> str:
+    """real_rollback's registered rule by hand: Fisher's p of back of m against ended of n; when even 0
+    of m could not reach 0.05, inconclusive, its letter beside."""
+    p, best = stats.fisher(ended, n, back, m), stats.fisher(ended, n, 0, m)
+    letter = "not reproduced: as many ended on one answer" if back / m >= ended / n else "inconclusive"
+    return (f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(p)})" if p < 0.05 else letter
+            if best < 0.05 else f"inconclusive: with {ended}/{n} without, even 0/{m} with would give p = "
+            f"{stats.p_value(best)}, so the test could decide nothing (the registered rule's letter: {letter.split(':')[0]})")
+
+
 @pytest.mark.slow          # 10-30 s on a 2-core CPU: the slow tier, so CI fits in 12 minutes
 def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab, monkeypatch):
     """real_k_fair's verdict is the one-sided permutation test of its runs' held-out best at the
@@ -209,9 +219,7 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     ones = sum(r["eval_one_answer_end"] >= real.COLLAPSED for r in rolled)
     f = stats.fisher(one["K=8, B=3"], 3, ones, 3)
     assert f"with --rollback 3 {ones}/3, one-sided Fisher p = {f:.3f}" in back["measured"]
-    registered = f"reproduced (its registered test: Fisher one-sided, p = {stats.p_value(f)})"
-    assert back["verdict"] == (registered if f < 0.05 else "not reproduced: as many ended on one answer"
-                               if ones >= one["K=8, B=3"] else "inconclusive")
+    assert back["verdict"] == rollback_verdict(one["K=8, B=3"], 3, ones, 3)
     k2 = real.real_lora_k2(lab, log=lambda s: None)                 # its own full-fine-tuning arm
     assert len(lab.calls) == 21
     ends = {label: [json.loads((lab.out("real_lora_k2", label, s) / "summary.json").read_text())["eval_one_answer_end"]
@@ -228,7 +236,7 @@ def test_the_powered_experiments_read_their_registered_tests_from_their_runs(lab
     e = stats.fisher(none, 2, back, 2)
     assert f"runs ending on one answer: K=8, B=3, two epochs {none}/2, with --rollback 3 {back}/2, one-sided " \
            f"Fisher p = {e:.3f}" in epochs["measured"] and "(K=8, B=3, two epochs)" in epochs["claim"]
-    assert epochs["verdict"] == ("not reproduced: as many ended on one answer" if back >= none else "inconclusive")
+    assert epochs["verdict"] == rollback_verdict(none, 2, back, 2)
     assert epochs["figure"] == "real_rollback_epochs/compare.png" and (lab.root / epochs["figure"]).exists()
 
 

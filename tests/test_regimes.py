@@ -111,8 +111,9 @@ def test_jobs_runs_every_pending_run_once_longest_first_each_warm_start_built_on
             if (label, seed) == ("a", 101):
                 raise RuntimeError("train.py exited 1: out of memory")
     real.run_pending(Lab(tmp_path, model="", jobs=1), ["fake"], said.append)
-    # the naive plan: every (label, seed) but the second stage, ordered by the modelled seconds, longest first
-    plan = sorted([(label, seed) for label in "abc" for seed in (100, 101)],
+    # the naive plan: every (label, seed), ordered by the modelled seconds, longest first (the second stage
+    # among them: its run makes its start first, here RCE (stage 1), which names no setting of fake)
+    plan = sorted([(label, seed) for label in ("a", "b", "c", "second stage") for seed in (100, 101)],
                   key=lambda r: -real.modelled(real.flags(Lab(tmp_path, "").argv("fake", *r))))
     assert ran == plan and ran[0][0] == "b"
     assert sorted(warmed) == [("", "dsl", -1, 1), ("", "tools", -1, 1)]
@@ -149,3 +150,33 @@ def test_jobs_starts_no_run_after_one_was_stopped_by_ctrl_c(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         real.run_pending(Lab(tmp_path, model="", jobs=1), ["fake"], lambda s: None)
     assert ran == ["a", "b"], "c was queued behind the stopped run and never started"
+
+
+def test_a_shared_start_is_made_once_before_the_runs_naming_it_and_runs_from_other_weights_are_set_aside(
+        tmp_path, monkeypatch):
+    """{real_NAME} in an arm's flags: experiment NAME's first arm at its first seed, made (tiny train.py
+    runs) by the first run that needs it while the others wait; a kept run pinned to other weights
+    (a start made again in another session, whose weights were not committed) is renamed, then run again."""
+    monkeypatch.setitem(real.SETTINGS, "real_fake_start", {"base": "--k 2 --batch 2 --steps 2 --save-every 2"})
+    monkeypatch.setitem(real.SEED_RANGES, "real_fake_start", range(7, 8))
+    monkeypatch.setitem(real.SETTINGS, "real_fake", {a: f"--k 2 --batch 2 --steps 1 --init-from {{real_fake_start}} --lr {lr}"
+                                                     for a, lr in (("a", 1e-3), ("b", 1e-2))})
+    monkeypatch.setitem(real.SEED_RANGES, "real_fake", range(100, 102))
+    monkeypatch.setattr(real, "warm_up", lambda argv, log: None)
+    lab_ = real.RealLab(tmp_path, model="", jobs=2)
+    old = tmp_path / "real_fake" / "runs" / "a" / "s100"
+    old.mkdir(parents=True)
+    (old / "config.json").write_text(json.dumps({"init_from_checkpoint": {
+        "path": str(lab_.out("real_fake_start", "base", 7) / "checkpoints" / "step-000002"), "sha256": "0ld"}}))
+    made, run_one = [], real.compare.run_one
+    monkeypatch.setattr(real.compare, "run_one", lambda argv, launch: made.append(argv[argv.index("--out") + 1]) or
+                        run_one(argv, launch))
+    real.run_pending(lab_, ["real_fake"], lambda s: None)
+    start = str(lab_.out("real_fake_start", "base", 7))
+    assert made.count(start) == 1 and made[0] == start and len(made) == 5
+    sha = real.checkpoint.weights_sha256(Path(start) / "checkpoints" / "step-000002")
+    for label in "ab":
+        for seed in (100, 101):
+            began = json.loads((lab_.out("real_fake", label, seed) / "config.json").read_text())["init_from_checkpoint"]
+            assert began["sha256"] == sha and "real_fake_start" in began["path"]
+    assert (old.parent / "s100.other-start-0ld" / "config.json").exists()

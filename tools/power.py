@@ -2,8 +2,10 @@
 
     python -m tools.power     # the committed tiny-model and SmolLM2 comparisons, then the power tables
 
-The tests and power functions are lab/stats.py's; this prints them over results/ (tests/test_stats.py).
+The tests are lab/stats.py's; the power computations the records name (fisher_power, seeds_for_counts,
+seeds_for_mean) are here; this prints both over results/ (tests/test_stats.py).
 """
+import itertools
 import json
 import math
 import statistics
@@ -12,8 +14,33 @@ from pathlib import Path
 from tasks import workflow_task
 from lab.common import mean
 from running import report
-from lab.stats import (AFTER_THE_FACT, REAL, after_the_fact, committed, detectable_mean,
-                       permutation, real_after_the_fact, seeds_for_counts, seeds_for_mean)
+from lab.stats import (ALPHA, AFTER_THE_FACT, REAL, after_the_fact, committed, detectable_mean, fisher,
+                       permutation, real_after_the_fact)
+
+
+# the power computations the records name (their power: how many seeds an arm), planning only
+def fisher_power(p1: float, p2: float, n1: int, n2: int, alpha: float = ALPHA) -> float:
+    """P(fisher(a, n1, b, n2) < alpha) when arm 1's runs succeed with probability p1 and arm
+    2's with p2: every (a, b) with its binomial probability, enumerated."""
+    def pmf(k, n, p):
+        return math.comb(n, k) * p ** k * (1 - p) ** (n - k)
+    return sum(pmf(a, n1, p1) * pmf(b, n2, p2) for a in range(n1 + 1) for b in range(n2 + 1)
+               if fisher(a, n1, b, n2) < alpha)
+
+
+def seeds_for_counts(p1: float, p2: float, power: float = 0.8, most: int = 200) -> int | None:
+    """The fewest runs an arm (both arms alike) for Fisher's test to see p1 above p2 with this
+    power; None past `most`. Power is not monotone in n for an exact test: the first n that
+    reaches it and keeps it for the next two is taken."""
+    for n in range(2, most + 1):
+        if all(fisher_power(p1, p2, m, m) >= power for m in (n, n + 1, n + 2)):
+            return n
+    return None
+
+
+def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = ALPHA) -> int:
+    """Runs an arm for detectable_mean to reach effect."""
+    return next(n for n in itertools.count(2) if detectable_mean(sd, n, n, power, alpha) <= effect)
 
 
 def toy_after_the_fact() -> None:
