@@ -32,7 +32,7 @@ from models import pretrained
 from lab.common import BLOCK, Lab, commit, cpu
 from lab.report000 import critic, curriculum, tools, tools_ppo
 from lab.report001 import dynamic_sampling, group_norm, k2_pm1
-from lab.probe001 import probe_001
+from lab.probe001 import probe_001, probe_001_held
 from lab.popular_code import clip_inverted, micro_token_mean, sampled_not_scored
 from lab.report002 import batch_size, entropy, fixed_vs_dynamic, grad_clip, grad_clip_regime
 from lab.report003 import kl_range, kl_regime, kl_regime_fixed, rce_grpo
@@ -42,7 +42,7 @@ from lab.collapse import (collapse_rate, entropy_collapse, entropy_collapse_epoc
                           trust_regions_stale)
 
 EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
-               "probe_001": probe_001, "critic": critic,
+               "probe_001": probe_001, "probe_001_held": probe_001_held, "critic": critic,
                "batch_size": batch_size, "grad_clip": grad_clip, "grad_clip_regime": grad_clip_regime,
                "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "kl_regime": kl_regime,
                "kl_regime_fixed": kl_regime_fixed,

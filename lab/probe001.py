@@ -39,6 +39,7 @@ BATCHES, QUICK_BATCHES = 30, 2
 LRS, QUICK_LRS = (2e-6, 2e-5, 2e-4, 2e-3), (2e-4, 2e-3)
 WARMING_STEPS, WARMING_LR = 5, 1e-3
 REAL_LRS, REAL_WARMING_LR = (2e-6, 2e-5, 2e-4), 2e-5      # --model: its training lr, a decade either side
+HELD_LR = 1e-9        # probe_001_held's warming: AdamW's moments of real steps, each weight moved about 1e-9 a step
 CONDITIONS = ("null", "k2_group", "k2_drgrpo", "k8_group")
 SAME_START = 1e-5   # P(off) of one warm start rebuilt on another CPU (0.380899, 0.380900): the same
 MEASURES = ("p_off", "lp_fallback", "lp_best", "lp_valid")
@@ -191,7 +192,13 @@ def jumps(tests: dict, start: str, lr: float, lrs) -> bool:
     return p < stats.ALPHA and d > 0 and p_small < stats.ALPHA and d_small > d / 3
 
 
-def probe_001(lab) -> dict:
+def probe_001_held(lab) -> dict:
+    """probe_001 where report 001 starts, the fallback at its share: AdamW warmed at HELD_LR (per-sample start)."""
+    # rule (written before its first run): probe_001's, on this optimizer (SmolLM2's warming took P(off) 0.381 -> 0.004)
+    return probe_001(lab, held_lr=HELD_LR)
+
+
+def probe_001(lab, held_lr: float = 0.0) -> dict:
     """Report 001's mechanism, exactly: one update from fixed batches (the module's docstring)."""
     # rule: for each warm start, optimizer state and lr, d = dP(off) after the k2_group update
     # minus dP(off) after the null one, paired over the batches. The k2_group update raises P(off)
@@ -203,10 +210,11 @@ def probe_001(lab) -> dict:
     # not reproduced if it raises P(off) at no lr.
     from lab import figures
     batches, lrs = (QUICK_BATCHES, QUICK_LRS) if lab.quick else (BATCHES, REAL_LRS if lab.model else LRS)
-    plan = dict(batches=batches, lrs=lrs, warming_lr=REAL_WARMING_LR if lab.model else WARMING_LR,
+    plan = dict(batches=batches, lrs=lrs, warming_lr=held_lr or (REAL_WARMING_LR if lab.model else WARMING_LR),
                 seed=getattr(lab, "offset", 0))      # 0, or the second block's 1000
-    starts = {"per-sample fallback": task, **({} if lab.quick else {"prompt-tied fallback": tied_task()})}
-    results, rows, tests, out = {}, [], {}, lab.dir("probe_001")
+    starts = {"per-sample fallback": task, **({} if lab.quick or held_lr else {"prompt-tied fallback": tied_task()})}
+    name_ = "probe_001_held" if held_lr else "probe_001"
+    results, rows, tests, out = {}, [], {}, lab.dir(name_)
     for name, t in starts.items():
         cells = out / f"cells-{name.split()[0]}.json"           # per warm start; deltas.json has them all
         if (done := out / "deltas.json").exists() and not cells.exists():   # a finished probe's record stands as
@@ -230,7 +238,7 @@ def probe_001(lab) -> dict:
                         f"[{lo:+.5f}, {hi:+.5f}] | " + " | ".join(f"{statistics.fmean(d[m]):+.4f}" for m in MEASURES[1:])
                         + (f" | {vs_null[0]:+.5f} (p {stats.p_value(vs_null[1])})" if vs_null else " | ") + " |")
     (out / "table.md").write_text(
-        f"# probe_001 ({lab.model or 'the tiny model'}): one update, {batches} paired batches, exact measures on "
+        f"# {name_} ({lab.model or 'the tiny model'}): one update, {batches} paired batches, exact measures on "
         f"the {len(task.make_prompts('eval'))} held-out prompts (lab/probe001.py)\n\nDeltas are after - before the "
         "update; P(off) is the chance that a completion opens with the fallback's first token; [95% bootstrap interval].\n\n"
         "| warm start | optimizer | lr | condition | dP(off) | dlog p fallback | dlog p best | dlog p valid | "
@@ -251,7 +259,7 @@ def probe_001(lab) -> dict:
     verdict = ("reproduced" if any(jumped.values()) else
                "partly: one K=2 update raises P(off-format) on held-out prompts, but a 10x smaller lr shrinks "
                "the rise as first order says" if any(raised.values()) else "not reproduced")
-    return dict(report="001", figure="probe_001/probe.png",
+    return dict(report="001", figure=f"{name_}/probe.png",
                 claim="one K=2 group-norm update on a batch of best and valid workflows pushes the policy onto "
                       "off-format text, and a 10x smaller lr does not prevent it",
                 measured=f"{batches} paired batches, exact: {said}", verdict=verdict)

@@ -168,8 +168,7 @@ class RealLab:
         return summary
 
     def make_start(self, start: tuple, log=print) -> None:
-        """Run start again (weights are not committed); kept runs that began from other weights are
-        set aside (renamed) and run again from these: one comparison, one start."""
+        """Run start again (weights are not committed); set aside kept runs begun from other weights: one start."""
         compare.run_one(self.argv(*start) + ["--overwrite"], compare.Launch(self.jobs, alone=ALONE))
         sha = checkpoint.weights_sha256(checkpoint.starting_point(self.out(*start)))
         for c in self.root.glob("*/runs/*/s*/config.json"):

@@ -375,6 +375,26 @@ def test_every_probe_001_update_starts_from_the_same_optimizer_state(tmp_path, m
                zip(kept["state"][p].values(), state["state"][p].values())), "the update moved the state it was given"
 
 
+def test_probe_001_held_warms_adams_moments_and_leaves_p_off_where_the_warm_start_has_it():
+    """probe_001_held's optimizer: the moments of WARMING_STEPS real steps (a step count, second moments
+    above zero), taken at HELD_LR, so P(off) before any probe update is the warm start's to 1e-6, where
+    the same steps at probe_001's warming lr move it (on SmolLM2: 0.381 -> 0.004)."""
+    from lab import probe001
+    from models import policy
+    from running import config
+    from tasks import workflow_task as task
+    model, tok = policy.load(config.Config(cache_dir=str(policy.CACHE), sft_difficulty=1), task, "cpu", lambda s: None)
+    held = probe001.held_out(tok)                  # the course's warm start, as the probe loads it (a random
+    start = probe001.measure(model, held)["p_off"]  # model's groups tie: zero advantages, no moments)
+    weights, state = probe001.warmed(model, tok, probe001.HELD_LR)
+    moments = list(state["state"].values())
+    assert moments and all(m["step"] == probe001.WARMING_STEPS for m in moments)
+    assert sum(float(m["exp_avg_sq"].sum()) for m in moments) > 0
+    assert abs(probe001.measure(weights, held)["p_off"] - start) < 1e-6
+    moved, _ = probe001.warmed(model, tok, probe001.WARMING_LR)
+    assert abs(probe001.measure(moved, held)["p_off"] - start) > 1e-3
+
+
 def test_a_finished_probe_001_rewrites_its_table_from_its_deltas_without_measuring_again(tmp_path, monkeypatch):
     """Run again after it finished (its cells folded into deltas.json), probe_001 takes every
     delta from deltas.json: no update is applied, the table shows those deltas, and deltas.json
