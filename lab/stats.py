@@ -13,9 +13,9 @@ effect a design can detect.
 Every test here is one-sided: a report's claim names its direction ("K=8 learns more"), and a
 difference the other way is no evidence for it. A verdict reads p < ALPHA as the claim's effect,
 and p >= ALPHA as "inconclusive", not as its absence, unless the design could have seen it:
-`detectable_mean` says what it could (and tools/power.py's `fisher_power`, `seeds_for_counts`, `seeds_for_mean`). With 3 runs an arm no test reaches
-p < 0.05 (the smallest one-sided p of three runs against three is 1 / C(6, 3) = 0.05), so a
-three-seed comparison is inconclusive whatever it shows.
+`detectable_mean` says what it could (tools/power.py plans seeds with it and `fisher_power`). With
+3 runs an arm no test reaches p < 0.05 (the smallest one-sided p of three runs against three is
+1 / C(6, 3) = 0.05), so a three-seed comparison is inconclusive whatever it shows.
 
 `python -m tools.power` prints the committed comparisons' p and how many seeds an effect needs.
 """
