@@ -191,6 +191,8 @@ def real_lab(args, out: Path) -> None:
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
           f"{seconds / 3600:.1f} h here, alone, one at a time (COST in lab/real.py)", flush=True)
     t_all = time.time()
+    for name in set(names) & set(regimes.RECORDS):       # registered before any of its runs starts
+        regimes.register(regimes.RECORDS[name], out / name)
     lab.jobs > 1 and real.run_pending(lab, names)            # the runs left, side by side (a GPU)
     for name in names:
         t0 = time.time()

@@ -69,6 +69,24 @@ def test_a_record_is_registered_before_its_first_run_and_a_changed_one_is_refuse
         regimes.measure(record(alpha=0.1), fake)
 
 
+def test_jobs_registers_a_record_before_the_first_of_its_runs_starts(tmp_path, monkeypatch):
+    """--jobs > 1 runs the pending runs before the record's own measure: the registration comes first anyway."""
+    monkeypatch.setitem(regimes.RECORDS, "fake", record())
+    seen = []
+
+    def pending(real_lab, names, log=print):
+        seen.append((tmp_path / "fake" / "registration.json").exists())
+        raise KeyboardInterrupt
+    monkeypatch.setattr(real, "run_pending", pending)
+    monkeypatch.setattr(real, "estimate", lambda *a: (4, 60.0))
+    args = type("Args", (), dict(model="", jobs=2, names=["fake"]))
+    with pytest.raises(KeyboardInterrupt):
+        lab.real_lab(args, tmp_path)
+    assert seen == [True]
+    assert json.loads((tmp_path / "fake" / "registration.json").read_text())["sha256"] == \
+        regimes.registration(record())["sha256"]
+
+
 def test_the_labs_rule_of_a_record_hashes_the_whole_record_and_its_deciding_code():
     a = lab.rule_of(regimes.experiment(record()))
     b = lab.rule_of(regimes.experiment(record(power="another pilot")))
