@@ -183,8 +183,7 @@ def main(argv=None):
 
 
 def real_lab(args, out: Path) -> None:
-    """lab/real.py's experiments on args.model: the runs left and their estimated time first;
-    each finished run kept, so a second call continues where the first stopped."""
+    """lab/real.py's experiments on args.model, each finished run kept: a second call continues the first."""
     lab = real.RealLab(out, args.model, jobs=args.jobs or 1)
     names = args.names or [n for n in REAL if n not in regimes.RECORDS]     # a record runs by its name: hours each
     left, seconds = real.estimate(lab, names)
@@ -205,10 +204,9 @@ def real_lab(args, out: Path) -> None:
 
 
 def record(out: Path, name: str, entry: dict, order=None) -> None:
-    """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md, other entries kept;
-    under a lock, re-read first (two labs in one folder merge), each file written beside and
-    renamed. An entry that measured what the recorded one did keeps its date and seconds; a
-    retired experiment's (real_monitor) stays, last."""
+    """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md, other entries kept; under a
+    lock, re-read first (two labs in one folder merge), each file written beside and renamed. An entry that
+    measured what the recorded one did keeps its date and seconds; a retired one (real_monitor) stays, last."""
     with open(out / ".summary.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         results = read_summary(out)
