@@ -197,7 +197,7 @@ def real_lab(args, out: Path) -> None:
         t0 = time.time()
         print(f"{name} ...", flush=True)
         entry = dict(REAL[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
-                     seeds=lab.seeds_of(name), quick=False, rule=rule_of(REAL[name]))
+                     seeds=lab.seeds_of(name), quick=False, rule=rule_of(REAL[name], out / name))
         record(out, name, entry, order=list(REAL))
         print(f"{name}: {said_verdict(out, name, entry)} ({entry['seconds']:.0f} s)", flush=True)
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
@@ -221,13 +221,13 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
             os.replace(tmp, out / file)
 
 
-def rule_of(experiment) -> dict | None:
-    """An experiment's rule as its code states it: the comment blocks that open with "# rule:" or
-    "# rule (" in its function (each block runs to the first line that is not a comment), and their sha256;
-    beside it the sha256 of the code that decides (deciding_code) and the commit it ran from. A record's
-    (lab/regimes.py): its registration, the sha256 of the whole record."""
+def rule_of(experiment, folder: Path | None = None) -> dict | None:
+    """An experiment's rule as its code states it: its comment blocks opening "# rule:" or "# rule (" (each to the
+    first line that is not a comment), their sha256, the deciding code's (deciding_code) and the commit it ran from.
+    A record's (lab/regimes.py): its registration, the whole record's sha256, dated by folder's registration.json."""
     if getattr(experiment, "record", None):
-        return {k: v for k, v in regimes.registration(experiment.record).items() if k != "registered"}
+        return dict(regimes.registration(experiment.record),
+                    registered=folder and json.loads((folder / "registration.json").read_text())["registered"])
     lines, text, inside = inspect.getsource(experiment).splitlines(), [], False
     for line in lines:
         inside = bool(re.match(r"# rules?( \(|:)", line.strip())) or (inside and line.strip().startswith("#"))
@@ -249,8 +249,8 @@ def deciding_code(experiment) -> str:
 
 
 def registered(entry: dict, old: dict) -> dict:
-    """The entry with its rule's registration: the date the rule was first recorded with runs
-    (kept while the rule stays the same), and, when the rule changed after runs existed under
+    """The entry with its rule's registration: the date the rule was first recorded with runs (a record's:
+    its registration.json's; kept while the rule stays the same), and, when the rule changed after runs existed under
     an older one, that rule, its registration and the verdict recorded under it (`changed`).
     A --quick entry registers nothing: a smoke test is not a result."""
     rule = entry.get("rule")
@@ -258,13 +258,13 @@ def registered(entry: dict, old: dict) -> dict:
         return entry
     before = old.get("rule") if not old.get("quick") else None
     if before and before.get("sha256") == rule["sha256"]:
-        rule = dict(rule, registered=before.get("registered"), changed=before.get("changed"),
+        rule = dict(rule, registered=rule.get("registered") or before.get("registered"), changed=before.get("changed"),
                     code_registered=before.get("code_registered", before.get("code_sha256")))
     elif before:                          # a new rule over runs of an old one: the old one's verdict stays beside
         rule = dict(rule, registered=entry["date"], changed=dict(rule=before["text"], registered=before.get(
             "registered"), verdict=old.get("verdict"), measured=old.get("measured")))
     else:
-        rule = dict(rule, registered=entry["date"], changed=None)
+        rule = dict(rule, registered=rule.get("registered") or entry["date"], changed=None)
     return dict(entry, rule=dict(rule, code_registered=rule.get("code_registered") or rule.get("code_sha256")))
 
 

@@ -94,6 +94,19 @@ def test_the_labs_rule_of_a_record_hashes_the_whole_record_and_its_deciding_code
     assert lab.REAL["real_001_regime_pilot"].record is regimes.RECORDS["real_001_regime_pilot"]
 
 
+def test_a_records_entry_is_dated_by_its_registration_not_by_the_day_its_entry_is_written(tmp_path):
+    """A record registered one day and measured on a later one: SUMMARY's "registered" is the first day,
+    whether the entry is new or an older entry (dated the later day) stands before it."""
+    regimes.register(record(), tmp_path / "fake")
+    path = tmp_path / "fake" / "registration.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), registered="2026-01-01")))
+    rule = lab.rule_of(regimes.experiment(record()), tmp_path / "fake")
+    entry = dict(date="2026-03-01", rule=rule)
+    assert lab.registered(entry, {})["rule"]["registered"] == "2026-01-01"
+    old = dict(rule=dict(rule, registered="2026-02-01"))                    # written by the earlier code
+    assert lab.registered(entry, old)["rule"]["registered"] == "2026-01-01"
+
+
 def test_a_records_registration_is_the_same_in_another_process():
     """The hashes name the record and its code, not this process (no object address may enter them)."""
     here = lab.rule_of(lab.REAL["real_001_regime_pilot"])
