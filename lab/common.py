@@ -113,7 +113,7 @@ def metric_rows(run: dict) -> list:
 
 
 def commit() -> str:
-    """The commit the lab ran from (+ "with uncommitted changes"), or "?" outside a git clone."""
+    """The commit the lab ran from (+ "with uncommitted changes" outside results/, which the lab writes), or "?"."""
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-    head = git("rev-parse", "--short", "HEAD")
-    return (head + " with uncommitted changes" * bool(git("status", "--porcelain", "--untracked-files=no"))) or "?"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)results")
+    return (git("rev-parse", "--short", "HEAD") + " with uncommitted changes" * bool(changed)) or "?"
