@@ -87,7 +87,7 @@ def lost_to_the_machine(summary: dict) -> bool:
 def run_in_new_process(argv: list, launch: Launch) -> dict:
     """train.py argv in a process of its own (under torchrun for launch.nproc > 1), which dies
     with this one on Linux: a lab killed with kill -9 leaves no run writing behind it."""
-    threads = str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // (launch.jobs * launch.nproc)))
     runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.nproc}"] \
         if launch.nproc > 1 else []
     done = subprocess.run([sys.executable, *runner, str(Path(__file__).parent.parent / "train.py"), *argv],
@@ -113,10 +113,10 @@ _POOLS: dict = {}
 
 
 def pool(jobs: int) -> ProcessPoolExecutor:
-    """The pool of `jobs` worker processes (spawned, so no thread or CUDA state is inherited),
-    each limited to cpu_count // jobs threads."""
+    """The pool of `jobs` worker processes (spawned: no thread or CUDA state inherited), each limited to
+    the user's OMP_NUM_THREADS threads (another lab may share the cores), else cpu_count // jobs."""
     if jobs not in _POOLS:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
+        threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // jobs))
         _POOLS[jobs] = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
                                            initializer=worker_init, initargs=(threads,))
     return _POOLS[jobs]

@@ -156,6 +156,30 @@ def test_pooled_runs_reuse_their_workers_and_match_a_run_in_this_process(tmp_pat
     assert lines("pooled") == lines("here")
 
 
+def test_the_lab_gives_each_run_the_users_omp_num_threads_else_its_share_of_the_cores(tmp_path, monkeypatch):
+    """Two labs of --jobs 1 on a 2-core machine gave each run both cores whatever OMP_NUM_THREADS said:
+    three runs had six threads on two cores (a step 5-10x slower), and one experiment's runs ran at 1 and
+    at 2 threads. The user's OMP_NUM_THREADS is what each run gets; unset, cpu_count // jobs."""
+    seen = []
+
+    def fake_run(cmd, env, **kw):                   # train.py in a process of its own, as far as its threads
+        seen.append(env["OMP_NUM_THREADS"])
+        (out := Path(cmd[cmd.index("--out") + 1])).mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text("{}")
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(compare, "_POOLS", {})
+    monkeypatch.setattr(compare, "ProcessPoolExecutor", lambda jobs, mp_context, initializer, initargs: initargs)
+    argv = ["--out", str(tmp_path / "r")]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    compare.run_in_new_process(argv, compare.Launch(jobs=1, alone=True))
+    assert compare.pool(1) == (1,)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    compare.run_in_new_process(argv, compare.Launch(jobs=1, alone=True))
+    compare.run_in_new_process(argv, compare.Launch(jobs=2, alone=True))
+    assert seen == ["1", "2", "1"] and compare.pool(2) == (1,)
+
+
 def test_how_often_a_run_is_evaluated_does_not_change_its_training(tmp_path):
     """The lab evaluates most experiments every 20 steps instead of 10: an evaluation draws
     with its own seed and leaves the training RNG alone (diagnostics.sample_seeded), so every
