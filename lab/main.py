@@ -198,12 +198,12 @@ def real_lab(args, out: Path) -> None:
         print(f"{name} ...", flush=True)
         entry = dict(REAL[name](lab), seconds=time.time() - t0, date=time.strftime("%Y-%m-%d"),
                      seeds=lab.seeds_of(name), quick=False, rule=rule_of(REAL[name], out / name))
-        record(out, name, entry, order=list(REAL))
+        record(out, name, entry)
         print(f"{name}: {said_verdict(out, name, entry)} ({entry['seconds']:.0f} s)", flush=True)
     print(f"wrote {out / 'SUMMARY.md'} in {time.time() - t_all:.0f} s")
 
 
-def record(out: Path, name: str, entry: dict, order=None) -> None:
+def record(out: Path, name: str, entry: dict) -> None:
     """Add one experiment's entry to out/summary.json and rewrite SUMMARY.md, other entries kept; under a
     lock, re-read first (two labs in one folder merge), each file written beside and renamed. An entry that
     measured what the recorded one did keeps its date and seconds; a retired one (real_monitor) stays, last."""
@@ -214,7 +214,7 @@ def record(out: Path, name: str, entry: dict, order=None) -> None:
         if all(old.get(k) == entry.get(k) for k in ("measured", "verdict", "seeds", "quick")):
             entry = dict(entry, seconds=old["seconds"], date=old.get("date"))
         results[name] = registered(entry, old)
-        results = {n: results[n] for n in [*(order or EXPERIMENTS), *results] if n in results}   # retired ones last
+        results = {n: results[n] for n in [*REAL, *EXPERIMENTS, *results] if n in results}   # retired ones last
         for file, text in (("summary.json", json.dumps(results, indent=1)), ("SUMMARY.md", summary_md(results, out))):
             tmp = out / f".{file}.tmp-{os.getpid()}"
             tmp.write_text(text)

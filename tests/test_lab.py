@@ -273,6 +273,19 @@ def test_lesson_1s_shares_are_exact_by_enumeration():
     assert figures.exact_shares("batch", 2) is None                   # depends on the groups' arrangement
 
 
+def test_an_entry_keeps_its_place_in_summary_md_whichever_lab_wrote_last(tmp_path):
+    """SmolLM2's folder holds the real experiments and the probes (the toy lab's): a probe rewritten by its
+    lab moved both probes from after the real entries to the top of SUMMARY.md, and the next real entry
+    moved them back. Every writer orders the entries one way: the real ones, then the toy's."""
+    entry = lambda: dict(report="001", claim="c", measured="m", verdict="inconclusive", seconds=1.0, quick=False)
+    real_name, toy_name = list(lab.REAL)[-1], next(n for n in lab.EXPERIMENTS if n not in lab.REAL)
+    lab.record(tmp_path, toy_name, entry())
+    for name in (real_name, toy_name):
+        lab.record(tmp_path, name, entry())
+        assert list(lab.read_summary(tmp_path)) == [real_name, toy_name], name
+    assert (tmp_path / "SUMMARY.md").read_text().index(real_name) < (tmp_path / "SUMMARY.md").read_text().index(toy_name)
+
+
 def test_a_rule_is_registered_with_its_first_runs_and_a_change_after_runs_keeps_the_old_verdict_beside():
     """The lab records each experiment's rule (its "# rule" comments, hashed) with the date of its
     first runs; the same rule keeps that date; a rule changed after runs existed is flagged in
