@@ -134,8 +134,8 @@ def main(argv=None):
                    "each experiment's lr and steps scaled for it (REAL_LR_SCALE, REAL_STEPS_DIVISOR)")
     # --jobs 1 runs every seed in this process, one after another; more jobs run seeds side by
     # side in worker processes started once (compare.pool), each with 1 CPU thread on 2 cores
-    p.add_argument("--jobs", type=int, help="run each setting's seeds in this many worker processes (default: 2, "
-                   "or 1 on one core); with --model, this many runs at a time (default 1: a SmolLM2 run fills a laptop)")
+    p.add_argument("--jobs", type=int, help="runs at a time (default: 2, or 1 on one core; with --model 1: a SmolLM2 run "
+                   "fills a laptop), each with OMP_NUM_THREADS threads if set (another lab may share), else cores / jobs")
     args = p.parse_args(argv)
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
