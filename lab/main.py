@@ -41,19 +41,12 @@ from lab.detectors import detectors, rollback, rollback_stale
 from lab.collapse import (collapse_rate, entropy_collapse, entropy_collapse_epochs, entropy_collapse_2026, mismatch,
                           trust_regions_stale)
 
-EXPERIMENTS = {"k2_pm1": k2_pm1, "group_norm": group_norm, "dynamic_sampling": dynamic_sampling,
-               "probe_001": probe_001, "probe_001_held": probe_001_held, "critic": critic,
-               "batch_size": batch_size, "grad_clip": grad_clip, "grad_clip_regime": grad_clip_regime,
-               "fixed_vs_dynamic": fixed_vs_dynamic, "kl_range": kl_range, "kl_regime": kl_regime,
-               "kl_regime_fixed": kl_regime_fixed,
-               "rce_grpo": rce_grpo, "tools": tools,
-               "curriculum": curriculum, "tools_ppo": tools_ppo, "entropy": entropy,
-               "collapse_rate": collapse_rate, "entropy_collapse": entropy_collapse,
-               "entropy_collapse_epochs": entropy_collapse_epochs, "entropy_collapse_2026": entropy_collapse_2026,
-               "mismatch": mismatch,
-               "trust_regions_stale": trust_regions_stale, "detectors": detectors,
-               "rollback": rollback, "rollback_stale": rollback_stale, "clip_inverted": clip_inverted,
-               "micro_token_mean": micro_token_mean, "sampled_not_scored": sampled_not_scored}
+EXPERIMENTS = {f.__name__: f for f in (k2_pm1, group_norm, dynamic_sampling, probe_001, probe_001_held, critic,
+                                       batch_size, grad_clip, grad_clip_regime, fixed_vs_dynamic, kl_range, kl_regime,
+                                       kl_regime_fixed, rce_grpo, tools, curriculum, tools_ppo, entropy, collapse_rate,
+                                       entropy_collapse, entropy_collapse_epochs, entropy_collapse_2026, mismatch,
+                                       trust_regions_stale, detectors, rollback, rollback_stale, clip_inverted,
+                                       micro_token_mean, sampled_not_scored)}
 REAL = {**real.EXPERIMENTS, **real_collapse.EXPERIMENTS, **regimes.EXPERIMENTS}   # --model: lab/real*.py, lab/regimes.py
 NEEDS = {"dynamic_sampling": ["group_norm"], "entropy_collapse": ["collapse_rate"]}          # experiments whose runs another one reads
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from threading import Lock
 
 import warm_start
 from lab import compare, stats
-from lab.common import COLLAPSED, mean
+from lab.common import COLLAPSED, cpu, mean
 from running import checkpoint, config, report
 
 SEEDS = 3
@@ -164,13 +165,25 @@ class RealLab:
             log(f"  {name}: {label}, seed {seed}: the run there was made with other flags; kept as {aside.name}")
         t0 = time.time()
         summary = compare.run_one(argv + ["--overwrite"], compare.Launch(self.jobs, alone=ALONE))
+        (out / "cpu.txt").write_text(f"{cpu()}\n")    # the CPU that made it: another sums float32 in another order
         log(f"  {name}: {label}, seed {seed}: done in {time.time() - t0:.0f} s")
         return summary
 
     def make_start(self, start: tuple, log=print) -> None:
-        """Run start again (weights are not committed); set aside kept runs begun from other weights: one start."""
-        compare.run_one(self.argv(*start) + ["--overwrite"], compare.Launch(self.jobs, alone=ALONE))
-        sha = checkpoint.weights_sha256(checkpoint.starting_point(self.out(*start)))
+        """Run start again (weights are not committed): beside a kept run (its files left as they are), its checkpoint
+        taken only if it ends with that run's numbers (another CPU sums in another order); set aside runs from others."""
+        out, argv, kept = self.out(*start), self.argv(*start), result(self.out(*start))
+        again = out.with_name(f"{out.name}.made-again") if kept else out
+        argv[argv.index("--out") + 1] = str(again)
+        result(again) or compare.run_one(argv + ["--overwrite"], compare.Launch(self.jobs, alone=ALONE))
+        if kept:
+            made = result(again) or {}
+            if any(made.get(k) != v for k, v in kept.items() if k not in ("seconds", "peak_memory_mb", "out")):
+                raise RuntimeError(f"{out} made again here ({again}) ended with other numbers than its kept run: "
+                                   f"its experiment's runs wait for a machine that makes it again (lab/real.py make_start)")
+            shutil.move(again / "checkpoints", out / "checkpoints")
+            shutil.rmtree(again)
+        sha = checkpoint.weights_sha256(checkpoint.starting_point(out))
         for c in self.root.glob("*/runs/*/s*/config.json"):
             began = json.loads(c.read_text()).get("init_from_checkpoint") or {}
             if f"{start[0]}/runs/{compare.slug(start[1])}/s{start[2]}/" in began.get("path", "") and \
@@ -268,17 +281,9 @@ def flags(argv: list) -> dict:
 def estimate(lab: RealLab, names: list) -> tuple[int, float]:
     """(runs left, their estimated seconds on a quiet machine): each run's modelled seconds, and
     a warm start per task with runs left (counted once, though it may be cached already)."""
-    left, seconds, tasks_left = 0, 0.0, set()
-    for name in names:
-        for label in SETTINGS.get(name, {}):
-            for seed in lab.seeds_in(name):
-                if finished(lab.argv(name, label, seed)) is not None:
-                    continue
-                c = flags(lab.argv(name, label, seed))
-                left += 1
-                seconds += modelled(c)
-                tasks_left.add(c["task"])
-    return left, seconds + sum(WARM_START_SECONDS[t] for t in tasks_left)
+    left = [flags(argv) for argv in (lab.argv(name, label, seed) for name in names for label in SETTINGS.get(name, {})
+                                     for seed in lab.seeds_in(name)) if finished(argv) is None]
+    return len(left), sum(map(modelled, left)) + sum(WARM_START_SECONDS[t] for t in {c["task"] for c in left})
 
 
 def modelled(c: dict) -> float:
@@ -600,6 +605,5 @@ def real_rce_grpo(lab: RealLab, log=print) -> dict:
                 f"partly: {'; '.join(held)} (of the four claims)" if held else "not reproduced")
 
 
-EXPERIMENTS = {"real_group_size": real_group_size, "real_k_fair": real_k_fair, "real_entropy_held": real_entropy_held,
-               "real_lora": real_lora, "real_tools": real_tools, "real_rce_grpo": real_rce_grpo,
-               "real_rollback": real_rollback, "real_lora_k2": real_lora_k2, "real_rollback_epochs": real_rollback_epochs}
+EXPERIMENTS = {f.__name__: f for f in (real_group_size, real_k_fair, real_entropy_held, real_lora, real_tools,
+                                       real_rce_grpo, real_rollback, real_lora_k2, real_rollback_epochs)}

@@ -2,6 +2,7 @@
 import dataclasses
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -210,4 +211,31 @@ def test_a_shared_start_is_made_once_before_the_runs_naming_it_and_runs_from_oth
         for seed in (100, 101):
             began = json.loads((lab_.out("real_fake", label, seed) / "config.json").read_text())["init_from_checkpoint"]
             assert began["sha256"] == sha and "real_fake_start" in began["path"]
+            assert (lab_.out("real_fake", label, seed) / "cpu.txt").read_text() == f"{real.cpu()}\n", "the CPU named"
     assert (old.parent / "s100.other-start-0ld" / "config.json").exists()
+
+
+def test_a_start_made_again_beside_its_kept_run_leaves_its_files_and_is_taken_only_with_its_numbers(
+        tmp_path, monkeypatch):
+    """A start's weights are not committed: a later session makes it again beside its kept run, whose
+    files stay byte for byte, and takes its checkpoint when it ends with the kept run's numbers (this
+    CPU, the same flags); when they differ (another CPU sums in another order) no checkpoint is taken
+    and its experiment's runs wait: they never begin from another start than their kept runs."""
+    monkeypatch.setitem(real.SETTINGS, "real_fake_start", {"base": "--k 2 --batch 2 --steps 2 --save-every 2"})
+    monkeypatch.setitem(real.SEED_RANGES, "real_fake_start", range(7, 8))
+    monkeypatch.setattr(real, "ALONE", False)             # in this process: the tiny model's runs take a second
+    lab_, start = real.RealLab(tmp_path, model="", jobs=1), ("real_fake_start", "base", 7)
+    out, files = lab_.out(*start), lambda: {p.name: p.read_bytes() for p in lab_.out(*start).iterdir() if p.is_file()}
+    lab_.make_start(start)                                # its first run, into its own folder
+    sha, kept = real.checkpoint.weights_sha256(real.checkpoint.starting_point(out)), files()
+    shutil.rmtree(out / "checkpoints")                    # a new session: the weights are gone, the run's files kept
+    lab_.make_start(start)
+    assert files() == kept and real.checkpoint.weights_sha256(real.checkpoint.starting_point(out)) == sha
+    assert not out.with_name("s7.made-again").exists()
+    shutil.rmtree(out / "checkpoints")
+    summary = json.loads(kept["summary.json"])
+    number = next(k for k, v in summary.items() if isinstance(v, float) and k not in ("seconds", "peak_memory_mb"))
+    (out / "summary.json").write_text(json.dumps(dict(summary, **{number: summary[number] + 1e-6})))
+    with pytest.raises(RuntimeError, match="other numbers than its kept run"):
+        lab_.make_start(start)                            # as if the kept run had been made on another CPU
+    assert not (out / "checkpoints").exists() and (out.with_name("s7.made-again") / "summary.json").exists()
