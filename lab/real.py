@@ -196,12 +196,13 @@ class RealLab:
 
 
 def run_pending(lab: RealLab, names: list, log=print) -> None:
-    """Every run of names not kept, lab.jobs at a time, longest first (8 SmolLM2 runs fill a GPU), each warm
-    start built once first; a failed run said in one line (its experiment reruns it); a start made by its first taker."""
+    """Every run of names not kept, lab.jobs at a time, longest first (8 SmolLM2 runs fill a GPU), arms of one cost
+    seed by seed (an experiment run over sessions spreads its arms alike over their machines), each warm start
+    built once first; a failed run said in one line (its experiment reruns it); a start made by its first taker."""
     runs = [(n, label, seed) for n in names for label in SETTINGS.get(n, {}) for seed in lab.seeds_in(n)]
     starts = {lab.start(ref, n, seed) for n, label, seed in runs for ref in START.findall(SETTINGS[n][label])}
     pending = sorted((run for run in runs if run not in starts and finished(lab.argv(*run)) is None),
-                     key=lambda run: -modelled(flags(lab.argv(*run))))
+                     key=lambda run: (-modelled(flags(lab.argv(*run))), run[2]))
     for argv in {warm_key(lab.argv(*run)): lab.argv(*run) for run in pending}.values():
         warm_up(argv, log)
 

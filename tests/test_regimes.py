@@ -128,10 +128,10 @@ def test_off_format_end_is_a_rate_whose_permutation_test_is_fishers_exact_test()
     assert regimes.one_sided("above", a, b) == pytest.approx(stats.fisher(4, 6, 1, 6), abs=1e-12)
 
 
-def test_jobs_runs_every_pending_run_once_longest_first_each_warm_start_built_once_and_a_failure_survived(
+def test_jobs_runs_every_pending_run_once_longest_first_one_cost_seed_by_seed_a_warm_start_once_a_failure_survived(
         tmp_path, monkeypatch):
     settings = {"a": "--k 2 --batch 3 --steps 30", "b": "--k 8 --batch 3 --steps 90", "c": "--task tools --k 2 --batch 1 --steps 2",
-                "second stage": "--steps 30 --init-from {stage1}"}
+                "second stage": "--steps 30 --init-from {stage1}", "a, another lr": "--k 2 --batch 3 --steps 30 --lr 1e-3"}
     monkeypatch.setitem(real.SETTINGS, "fake", settings)
     monkeypatch.setitem(real.SEED_RANGES, "fake", range(100, 102))
     warmed, ran, said = [], [], []
@@ -143,11 +143,13 @@ def test_jobs_runs_every_pending_run_once_longest_first_each_warm_start_built_on
             if (label, seed) == ("a", 101):
                 raise RuntimeError("train.py exited 1: out of memory")
     real.run_pending(Lab(tmp_path, model="", jobs=1), ["fake"], said.append)
-    # the naive plan: every (label, seed), ordered by the modelled seconds, longest first (the second stage
-    # among them: its run makes its start first, here RCE (stage 1), which names no setting of fake)
-    plan = sorted([(label, seed) for label in ("a", "b", "c", "second stage") for seed in (100, 101)],
-                  key=lambda r: -real.modelled(real.flags(Lab(tmp_path, "").argv("fake", *r))))
+    # the naive plan: every (label, seed), ordered by the modelled seconds, longest first, and among runs of one
+    # cost by seed (the second stage among them: its run makes its start first, here RCE (stage 1), which
+    # names no setting of fake)
+    plan = sorted([(label, seed) for label in settings for seed in (100, 101)],
+                  key=lambda r: (-real.modelled(real.flags(Lab(tmp_path, "").argv("fake", *r))), r[1]))
     assert ran == plan and ran[0][0] == "b"
+    assert ran.index(("a, another lr", 100)) < ran.index(("a", 101)), "two arms of one cost: seed by seed"
     assert sorted(warmed) == [("", "dsl", -1, 1), ("", "tools", -1, 1)]
     assert any("a, seed 101 failed: train.py exited 1: out of memory" in line for line in said)
 
