@@ -181,7 +181,7 @@ def real_lab(args, out: Path) -> None:
     names = args.names or [n for n in REAL if n not in regimes.RECORDS]     # a record runs by its name: hours each
     left, seconds = real.estimate(lab, names)
     print(f"python -m lab --model {args.model}: {left} runs left of {', '.join(names)}, about "
-          f"{seconds / 3600:.1f} h here, alone, one at a time (COST in lab/real.py)", flush=True)
+          f"{seconds / 3600:.1f} h one at a time (its setting's finished runs, else COST in lab/real.py)", flush=True)
     t_all = time.time()
     for name in set(names) & set(regimes.RECORDS):       # registered before any of its runs starts
         regimes.register(regimes.RECORDS[name], out / name)

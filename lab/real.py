@@ -111,10 +111,10 @@ SETTINGS = {
         "bf16 + ICEPOP": f"{K8} --rollout-dtype bf16 --rollout-correction mis",
     },
 }
-# seconds per step, per sequence of a step and per evaluation, on this project's 2-core CPU with
-# nothing else running; only for the estimate printed before the lab starts. Fitted to the kept
-# runs that ran alone (their times, and those of runs that shared the machine, are in
-# docs/lab-notebook.md)
+# seconds per step, per sequence of a step and per evaluation, on this project's 2-core CPU with nothing else
+# running; only for the estimate printed before the lab starts, of a setting with no finished run (one with
+# some takes their mean). Fitted to the kept runs that ran alone (their times, and those of runs that shared
+# the machine, are in docs/lab-notebook.md)
 COST = {"dsl": (2.7, 0.2, 7.0), "tools": (0.0, 2.3, 30.0)}
 EPOCH_SHARE = 0.7     # of a step, what each epoch after the first repeats: the forward and backward
                       # and the optimizer (about half of the bench's step, docs/performance.md), and
@@ -280,11 +280,12 @@ def flags(argv: list) -> dict:
 
 
 def estimate(lab: RealLab, names: list) -> tuple[int, float]:
-    """(runs left, their estimated seconds on a quiet machine): each run's modelled seconds, and
-    a warm start per task with runs left (counted once, though it may be cached already)."""
-    left = [flags(argv) for argv in (lab.argv(name, label, seed) for name in names for label in SETTINGS.get(name, {})
-                                     for seed in lab.seeds_in(name)) if finished(argv) is None]
-    return len(left), sum(map(modelled, left)) + sum(WARM_START_SECONDS[t] for t in {c["task"] for c in left})
+    """(runs left, their seconds): the mean of their setting's finished runs where it has some, else COST's
+    model of a quiet machine; and a warm start per task with runs left (counted once, though it may be cached)."""
+    settings = [[lab.argv(n, label, seed) for seed in lab.seeds_in(n)] for n in names for label in SETTINGS.get(n, {})]
+    left = [(flags(a), [s["seconds"] for s in map(finished, runs) if s]) for runs in settings for a in runs if not finished(a)]
+    return len(left), sum(mean(done) if done else modelled(c) for c, done in left) + sum(
+        WARM_START_SECONDS[t] for t in {c["task"] for c, _ in left})
 
 
 def modelled(c: dict) -> float:
