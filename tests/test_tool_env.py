@@ -1,5 +1,6 @@
 """tool_env.py and the tool rewards: every failure is a named kind; 10,000 hostile strings."""
 import builtins
+import json
 import math
 import os
 import random
@@ -193,3 +194,18 @@ def test_tag_body_equals_the_lazy_regex_on_random_texts():
 
 def test_parse_call_without_a_tag_is_no_action_not_an_attribute_error():
     assert parse_call("no tag here") == ("no_action", None, None)
+
+
+def test_tools_loops_counts_the_phrase_loops_the_envs_degenerate_rule_passes(tmp_path):
+    """A real model's loop ("answer now" x 30, report 000's regime on SmolLM2) is no_action to the env;
+    tools.loops counts it, by hand-made episodes whose answers are known."""
+    from tools import loops
+    phrase, word, chars = "<think> " + "answer now " * 30, "the " * 7, "ok " + "!" * 12
+    healthy = call("query_knowledge_base", topic="fileio") + " <tool_response> the fileio benchmark depends on" * 6
+    assert fresh().step(phrase)[2]["failure"] == "no_action", "the env's rule passes a phrase loop"
+    assert [loops.loops(t) for t in (phrase, word, chars, healthy, "set x = 1 " * 6)] == [True, True, True, False, False]
+    rows = [{"step": 0, "split": "eval", "samples": [{"text": t} for t in (healthy, word)]},
+            {"step": 3, "split": "train", "samples": [{"text": phrase}]},
+            {"step": 6, "split": "eval", "samples": [{"text": t} for t in (phrase, chars, healthy)]}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert loops.counts(tmp_path) == [(0, 1, 1, 2), (6, 2, 1, 3)]
