@@ -14,7 +14,6 @@ from tool_env import KNOWLEDGE_BASE, ToolEnv, parse_call, tag_body
 
 
 def call(name, **args):
-    import json
     return f'<think>t</think><tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call>'
 
 

@@ -20,16 +20,25 @@ import tool_env
 PHRASE_LOOP = re.compile(r"\b((?:\w+\s+){0,3}\w+)(?:\s+\1\b){5,}")
 
 
+def kinds(text: str) -> tuple[bool, bool]:
+    """(it loops: tool_env's rule or a phrase loop, tool_env's rule catches it)."""
+    env = bool(tool_env._DEGENERATE.search(text))
+    return env or bool(PHRASE_LOOP.search(text)), env
+
+
 def loops(text: str) -> bool:
-    return bool(tool_env._DEGENERATE.search(text) or PHRASE_LOOP.search(text))
+    return kinds(text)[0]
 
 
 def counts(run: Path) -> list:
     """[(step, episodes that loop, episodes tool_env's rule catches, episodes)] at each held-out evaluation."""
-    rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines() if line.strip()]
-    return [(row["step"], sum(loops(s["text"]) for s in row["samples"]),
-             sum(bool(tool_env._DEGENERATE.search(s["text"])) for s in row["samples"]), len(row["samples"]))
-            for row in rows if row.get("split") == "eval"]
+    out = []
+    for line in (run / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if row.get("split") == "eval":
+            found = [kinds(s["text"]) for s in row["samples"]]
+            out.append((row["step"], sum(l for l, _ in found), sum(e for _, e in found), len(found)))
+    return out
 
 
 def main(argv=None) -> int:
