@@ -88,7 +88,7 @@ def summary_md(results: dict, root: Path | None = None) -> str:
                 "the rule named no test"
             ruled += (f"\n- **Tested after the runs** ({why}; one-sided, alpha {stats.ALPHA}; "
                       f"a mean is the held-out best at the end unless named): " + "; ".join(phrase for _, _, phrase in tested))
-        parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}.\n"
+        parts.append(f"## {name} ({source})\n\n- **Claimed:** {r['claim']}{'' if r['claim'][-1:] in '.?!' else '.'}\n"
                      f"- **Measured:** {r['measured']}.\n- **Verdict:** {stats.tested_verdict(r['verdict'], tested, name)}. "
                      f"({when}; {r['seconds']:.0f} s){ruled}{second_block(root, name, r)}{fig}\n")
     return "\n".join(parts)

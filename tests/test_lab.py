@@ -286,6 +286,14 @@ def test_an_entry_keeps_its_place_in_summary_md_whichever_lab_wrote_last(tmp_pat
     assert (tmp_path / "SUMMARY.md").read_text().index(real_name) < (tmp_path / "SUMMARY.md").read_text().index(toy_name)
 
 
+def test_a_claim_asked_as_a_question_ends_with_its_question_mark():
+    """SUMMARY.md ends each claim with a full stop unless it already ends in one: a record's claim is often a
+    question ("... against a frozen policy?"), which read "?." before."""
+    entry = lambda claim: dict(report="000", claim=claim, measured="m", verdict="inconclusive", seconds=1.0)
+    assert "- **Claimed:** does it?\n" in lab.summary_md({"group_norm": entry("does it?")})
+    assert "- **Claimed:** it does.\n" in lab.summary_md({"group_norm": entry("it does")})
+
+
 def test_a_rule_is_registered_with_its_first_runs_and_a_change_after_runs_keeps_the_old_verdict_beside():
     """The lab records each experiment's rule (its "# rule" comments, hashed) with the date of its
     first runs; the same rule keeps that date; a rule changed after runs existed is flagged in
