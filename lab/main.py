@@ -185,7 +185,7 @@ def real_lab(args, out: Path) -> None:
     t_all = time.time()
     for name in set(names) & set(regimes.RECORDS):       # registered before any of its runs starts
         regimes.register(regimes.RECORDS[name], out / name)
-    lab.jobs > 1 and real.run_pending(lab, names)            # the runs left, side by side (a GPU)
+    real.run_pending(lab, names)             # the runs left, arms seed by seed, lab.jobs at a time (8 on a GPU)
     for name in names:
         t0 = time.time()
         print(f"{name} ...", flush=True)

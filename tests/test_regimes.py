@@ -70,8 +70,10 @@ def test_a_record_is_registered_before_its_first_run_and_a_changed_one_is_refuse
         regimes.measure(record(alpha=0.1), fake)
 
 
-def test_jobs_registers_a_record_before_the_first_of_its_runs_starts(tmp_path, monkeypatch):
-    """--jobs > 1 runs the pending runs before the record's own measure: the registration comes first anyway."""
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_jobs_registers_a_record_before_the_first_of_its_runs_starts(tmp_path, monkeypatch, jobs):
+    """The lab runs the pending runs (arms seed by seed, so a session cut short leaves them alike) before the
+    record's own measure, at any --jobs: the registration comes first anyway."""
     monkeypatch.setitem(regimes.RECORDS, "fake", record())
     seen = []
 
@@ -80,7 +82,7 @@ def test_jobs_registers_a_record_before_the_first_of_its_runs_starts(tmp_path, m
         raise KeyboardInterrupt
     monkeypatch.setattr(real, "run_pending", pending)
     monkeypatch.setattr(real, "estimate", lambda *a: (4, 60.0))
-    args = type("Args", (), dict(model="", jobs=2, names=["fake"]))
+    args = type("Args", (), dict(model="", jobs=jobs, names=["fake"]))
     with pytest.raises(KeyboardInterrupt):
         lab.real_lab(args, tmp_path)
     assert seen == [True]
