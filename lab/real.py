@@ -328,7 +328,7 @@ def write_table(lab: RealLab, name: str, runs: dict, columns: list) -> None:
     (lab.root / name / "table.md").write_text("\n".join(lines) + "\n")
     first = json.loads((Path(next(iter(runs.values()))[0]["out"]) / "config.json").read_text())
     metrics = ("eval_best_rate", "eval_valid_rate", "eval_one_answer", "entropy") if first["task"] == "dsl" else \
-        ("eval_accuracy", "eval_tool_calls", "frac_adv_negative")
+        ("eval_accuracy", "eval_tool_calls", "eval_answer_rate", "frac_adv_negative")
     compare.figure(runs, lab.root / name / "compare.png",
                    f"{name}: {lab.seeds_of(name)} seeds; {report.made_by(first)}", metrics)
 

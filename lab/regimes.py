@@ -50,12 +50,12 @@ def value(run: dict, metric: str):
 
 # what every record's entry and table show, by task, beside the metrics its claims test
 SHOWN = {"dsl": ("eval_valid_rate_end", "eval_fallback_rate_end", "crash_above_floor", "off_format_end"),
-         "tools": ("eval_tool_calls_end", "eval_accuracy_end", "frac_adv_negative_mean")}
+         "tools": ("eval_tool_calls_end", "eval_answer_rate_end", "eval_accuracy_end", "frac_adv_negative_mean")}
 COLUMNS = {"dsl": [("held-out valid (start)", "eval_valid_rate_start"), ("held-out valid (end)", "eval_valid_rate_end"),
                    ("held-out fallback (end)", "eval_fallback_rate_end"), ("held-out best (end)", "eval_best_rate_end"),
                    ("crash rate", "crash_rate"), ("crash floor", "crash_floor")],
-           "tools": [("held-out accuracy (start)", "eval_accuracy_start"),
-                     ("held-out tool calls (end)", "eval_tool_calls_end"), ("held-out accuracy (end)", "eval_accuracy_end"),
+           "tools": [("held-out accuracy (start)", "eval_accuracy_start"), ("held-out tool calls (end)", "eval_tool_calls_end"),
+                     ("held-out answer rate (end)", "eval_answer_rate_end"), ("held-out accuracy (end)", "eval_accuracy_end"),
                      ("share A < 0", "frac_adv_negative_mean"), ("non-finite steps skipped", "skipped_nonfinite")]}
 
 
