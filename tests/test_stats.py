@@ -2,6 +2,7 @@
 relabelling, and the design fact the lab's verdicts rest on: three runs an arm cannot reach
 p < 0.05."""
 import itertools
+import json
 import math
 import random
 import statistics
@@ -101,6 +102,25 @@ def test_the_detectable_mean_and_the_seeds_it_needs_by_hand():
     n = power.seeds_for_mean(0.25, 0.2)
     assert stats.detectable_mean(0.2, n, n) <= 0.25 < stats.detectable_mean(0.2, n - 1, n - 1)
     assert power.binomial_se(0.25, 16) == pytest.approx(math.sqrt(0.25 * 0.75 / 16))       # 0.108: README's 0.11
+
+
+def test_a_comparison_is_sized_by_its_pilots_pooled_sd_within_4_and_30_runs_an_arm(tmp_path):
+    """report 003's rule: sd = sqrt(mean of the arms' sample variances); n = seeds_for_mean(0.1, sd) in 4..30."""
+    def pilot(values):
+        for arm, xs in values.items():
+            for seed, x in enumerate(xs):
+                (tmp_path / "p" / "runs" / arm / f"s{seed}").mkdir(parents=True, exist_ok=True)
+                (tmp_path / "p" / "runs" / arm / f"s{seed}" / "summary.json").write_text(json.dumps({"best": x}))
+        return power.sized_by_pilot("p", "best", 0.1, arms=4, root=tmp_path)
+    assert pilot({"a": [0.5, 0.5], "b": [0.5, 0.6], "c": [0.4], "d": [0.5, 0.5]}) is None        # c has one run
+    (tmp_path / "p" / "runs" / "c" / "s1").mkdir()                                     # one in flight, no summary
+    (tmp_path / "p" / "runs" / "e" / "s0").mkdir(parents=True)                     # an arm with none finished
+    assert power.sized_by_pilot("p", "best", 0.1, arms=4, root=tmp_path) is None
+    n, sd, seen = pilot({"c": [0.4, 0.6]})               # variances 0, 0.005, 0.02, 0: sd = sqrt(0.025 / 4)
+    assert sd == pytest.approx(math.sqrt(0.025 / 4)) and n == power.seeds_for_mean(0.1, sd) and seen <= 0.1
+    assert pilot({"a": [0.5, 0.5], "b": [0.5, 0.5], "c": [0.5, 0.5]})[:2] == (4, 0.0)       # no spread: the floor
+    n, sd, seen = pilot({"a": [0.0, 1.0], "b": [0.0, 1.0], "c": [0.0, 1.0], "d": [0.0, 1.0]})
+    assert n == 30 and seen == pytest.approx(stats.detectable_mean(sd, 30, 30)) and seen > 0.1    # capped at 30
 
 
 def test_the_bootstrap_interval_holds_the_observed_difference_and_is_a_point_for_constant_arms():

@@ -43,6 +43,21 @@ def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = 
     return next(n for n in itertools.count(2) if detectable_mean(sd, n, n, power, alpha) <= effect)
 
 
+def sized_by_pilot(pilot: str, key: str, effect: float, arms: int, root: Path = REAL) -> tuple | None:
+    """A comparison's runs an arm by its pilot's rule (report 003's, written in its record before the pilot ran):
+    the pooled sd of key over the pilot's arms (their sample variances averaged: equal arms), then
+    seeds_for_mean(effect, sd), at least 4 and at most 30. (n, sd, the difference n runs an arm detect);
+    None until each of the pilot's `arms` arms has 2 finished runs or more."""
+    finished = lambda arm: [s[key] for s in (json.loads(p.read_text()) for p in sorted(arm.glob("s*/summary.json")))
+                            if not s.get("interrupted")]             # a run stopped part way is no run of the pilot
+    runs = [x for x in map(finished, (root / pilot / "runs").glob("*")) if len(x) >= 2]
+    if len(runs) < arms:
+        return None
+    sd = math.sqrt(statistics.fmean(statistics.variance(x) for x in runs))
+    n = min(30, max(4, seeds_for_mean(effect, sd)))
+    return n, sd, detectable_mean(sd, n, n)
+
+
 def toy_after_the_fact() -> None:
     """The committed tiny-model runs' central comparisons, each put to the one-sided permutation
     test; and group_norm's off-format count at lr 7e-3 to Fisher's."""
@@ -114,6 +129,11 @@ def main() -> None:
                   if json.loads((p.parent / "config.json").read_text())["task"] == "dsl")
     print(f"  SmolLM2 DSL runs' best held-out evaluation (report 003's regime needs a strong baseline): highest "
           f"{best[-1]:.2f}, median {statistics.median(best):.2f}, over {len(best)} runs")
+    pilot = "real_003_kl_pilot_cpu_again"
+    sized = sized_by_pilot(pilot, "eval_best_rate_end", 0.1, arms=4)
+    print(f"  report 003's comparison, sized by {pilot}'s rule (a difference of 0.1 in held-out best at the end, "
+          + (f"power 0.8): the pooled sd of its four arms {sized[1]:.3f}, so {sized[0]} runs an arm, which detect "
+             f"{sized[2]:.3f}" if sized else "power 0.8): not yet, its pilot has an arm with fewer than 2 runs"))
     print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
     print("how often a setting ends collapsed (Fisher's exact test)")
     for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3), (0.7, 0.1), (0.7, 0.4)):
