@@ -43,6 +43,11 @@ def seeds_for_mean(effect: float, sd: float, power: float = 0.8, alpha: float = 
     return next(n for n in itertools.count(2) if detectable_mean(sd, n, n, power, alpha) <= effect)
 
 
+def pooled_sd(arms: list) -> float:
+    """The sd of runs within an arm, pooled over arms of equal size: the root of their sample variances' mean."""
+    return math.sqrt(statistics.fmean(statistics.variance(x) for x in arms))
+
+
 def sized_by_pilot(pilot: str, key: str, effect: float, arms: int, root: Path = REAL) -> tuple | None:
     """A comparison's runs an arm by its pilot's rule (report 003's, written in its record before the pilot ran):
     the pooled sd of key over the pilot's arms (their sample variances averaged: equal arms), then
@@ -53,7 +58,7 @@ def sized_by_pilot(pilot: str, key: str, effect: float, arms: int, root: Path = 
     runs = [x for x in map(finished, (root / pilot / "runs").glob("*")) if len(x) >= 2]
     if len(runs) < arms:
         return None
-    sd = math.sqrt(statistics.fmean(statistics.variance(x) for x in runs))
+    sd = pooled_sd(runs)
     n = min(30, max(4, seeds_for_mean(effect, sd)))
     return n, sd, detectable_mean(sd, n, n)
 
@@ -106,7 +111,7 @@ def main() -> None:
     toy_after_the_fact()
     arms = {arm: committed("real_group_size", arm, "eval_best_rate_end")
             for arm in ("K=2,_B=3", "K=8,_B=3", "K=8,_B=3,_entropy_bonus_0.01")}
-    sd = math.sqrt(statistics.fmean(statistics.variance(x) for x in arms.values()))   # pooled, equal arms
+    sd = pooled_sd(list(arms.values()))
     k2, k8 = arms["K=2,_B=3"], arms["K=8,_B=3"]
     print("The committed SmolLM2 runs (results/smollm2-135m/real_group_size, held-out best at the end):")
     for arm, x in arms.items():
