@@ -134,11 +134,11 @@ def main() -> None:
                   if json.loads((p.parent / "config.json").read_text())["task"] == "dsl")
     print(f"  SmolLM2 DSL runs' best held-out evaluation (report 003's regime needs a strong baseline): highest "
           f"{best[-1]:.2f}, median {statistics.median(best):.2f}, over {len(best)} runs")
-    pilot = "real_003_kl_pilot_cpu_again"
-    sized = sized_by_pilot(pilot, "eval_best_rate_end", 0.1, arms=4)
-    print(f"  report 003's comparison, sized by {pilot}'s rule (a difference of 0.1 in held-out best at the end, "
-          + (f"power 0.8): the pooled sd of its four arms {sized[1]:.3f}, so {sized[0]} runs an arm, which detect "
-             f"{sized[2]:.3f}" if sized else "power 0.8): not yet, its pilot has an arm with fewer than 2 runs"))
+    for pilot in ("real_003_kl_pilot_cpu", "real_003_kl_pilot_cpu_again"):     # one rule, two starts (Intel, AMD)
+        sized = sized_by_pilot(pilot, "eval_best_rate_end", 0.1, arms=4)
+        print(f"  report 003's comparison, sized by {pilot}'s rule (a difference of 0.1 in held-out best at the end, "
+              + (f"power 0.8): the pooled sd of its four arms {sized[1]:.3f}, so {sized[0]} runs an arm, which "
+                 f"detect {sized[2]:.3f}" if sized else "power 0.8): not yet, its pilot has an arm with fewer than 2 runs"))
     print("\nRuns an arm for a one-sided test at alpha 0.05 to detect an effect with power 0.8:")
     print("how often a setting ends collapsed (Fisher's exact test)")
     for p1, p2 in ((0.5, 0.0), (0.5, 0.1), (0.33, 0.0), (0.9, 0.3), (0.7, 0.1), (0.7, 0.4)):
